@@ -1,0 +1,468 @@
+//! The aggregator: per-partition, offset-aligned batches of per-ad per-minute counts.
+//!
+//! Pure and synchronous — no I/O, no clocks. The pipeline tells it which offsets were
+//! read and which of them were counted clicks; it hands back [`Flush`]es: the rows to
+//! write and the offsets that become safe to commit once those rows are durable.
+//!
+//! Why the rows are idempotent (see DESIGN.md §2): a batch is the offset range
+//! `[start, start + N)` of one partition, `start = offset - offset % N`. Within a batch,
+//! the cumulative count of a bucket at offset `o` is a function of the log alone, and
+//! never decreases as `o` grows. A row carries `(clicks, version = o)`, so any retried,
+//! replayed or zombie write of the same batch either repeats a row or loses to a row
+//! with a higher version in `ReplacingMergeTree(version)`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::click::Minute;
+
+/// One billing bucket: an ad in an event-time minute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BucketKey {
+    pub ad_id: u64,
+    pub minute: Minute,
+}
+
+/// One row for `ad_clicks_minute` (the topic is added by the sink).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchRow {
+    pub key: BucketKey,
+    pub partition: i32,
+    pub batch_start: i64,
+    /// Clicks of this bucket counted in this batch from `batch_start` up to `version`.
+    pub clicks: u64,
+    /// The last offset of the batch read when this row was cut.
+    pub version: i64,
+}
+
+/// What one flush writes, and what it allows to commit once it is durable.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Flush {
+    pub rows: Vec<BatchRow>,
+    /// Per partition, the offset to commit (librdkafka convention: the next offset to
+    /// read). Always a batch boundary, and never past a click outside this flush or an
+    /// earlier, durable one.
+    pub commits: BTreeMap<i32, i64>,
+}
+
+impl Flush {
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty() && self.commits.is_empty()
+    }
+}
+
+/// The batch size in offsets (`N`). Part of every batch's identity: changing it for a
+/// topic whose rows already exist would make old and new batches overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOffsets(u64);
+
+impl BatchOffsets {
+    pub fn new(n: u64) -> Option<BatchOffsets> {
+        (n > 0 && n <= i64::MAX as u64).then_some(BatchOffsets(n))
+    }
+
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The start of the batch containing `offset`.
+    pub fn start_of(self, offset: i64) -> i64 {
+        offset - offset.rem_euclid(self.0 as i64)
+    }
+
+    /// The first batch boundary at or after `offset`.
+    pub fn boundary_at_or_after(self, offset: i64) -> i64 {
+        let start = self.start_of(offset);
+        if start == offset {
+            offset
+        } else {
+            start + self.0 as i64
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Batch {
+    start: i64,
+    /// Last offset read (counted or not); the version of rows cut now.
+    last_offset: i64,
+    /// Cumulative clicks per bucket in this batch, and whether the bucket changed since
+    /// the last flush (only changed buckets are written: fewer rows per click).
+    buckets: HashMap<BucketKey, (u64, bool)>,
+}
+
+impl Batch {
+    fn new(start: i64, offset: i64) -> Batch {
+        Batch { start, last_offset: offset, buckets: HashMap::new() }
+    }
+
+    fn cut_rows(&mut self, partition: i32, rows: &mut Vec<BatchRow>) {
+        for (key, (clicks, dirty)) in self.buckets.iter_mut() {
+            if std::mem::take(dirty) {
+                rows.push(BatchRow {
+                    key: *key,
+                    partition,
+                    batch_start: self.start,
+                    clicks: *clicks,
+                    version: self.last_offset,
+                });
+            }
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct PartitionState {
+    /// The batch being read. `None` before the first record and right after a batch's
+    /// last offset was read.
+    open: Option<Batch>,
+    /// Batches that can receive no more offsets but whose final rows are not cut yet.
+    complete: Vec<Batch>,
+    /// The boundary where the next batch starts once `open` is `None`.
+    next_start: Option<i64>,
+}
+
+/// Per-partition batches of counts; see the module docs.
+#[derive(Debug)]
+pub struct Aggregator {
+    n: BatchOffsets,
+    partitions: HashMap<i32, PartitionState>,
+    /// Buckets held across all batches; what `pipeline.max_unflushed_buckets` bounds.
+    buckets_held: usize,
+}
+
+impl Aggregator {
+    pub fn new(n: BatchOffsets) -> Aggregator {
+        Aggregator { n, partitions: HashMap::new(), buckets_held: 0 }
+    }
+
+    pub fn batch_offsets(&self) -> BatchOffsets {
+        self.n
+    }
+
+    /// Records that `offset` of `partition` was read; `counted` is the bucket it adds a
+    /// click to, or `None` for a duplicate or a rejected record. Offsets of a partition
+    /// must arrive in increasing order (gaps are fine: compaction, transaction markers).
+    pub fn observe(&mut self, partition: i32, offset: i64, counted: Option<BucketKey>) {
+        let n = self.n;
+        let state = self.partitions.entry(partition).or_default();
+        let start = n.start_of(offset);
+
+        if let Some(open) = &state.open {
+            debug_assert!(offset > open.last_offset, "offsets must increase within a partition");
+            if start != open.start {
+                // An offset beyond the open batch: that batch will get nothing more.
+                state.complete.push(state.open.take().expect("checked above"));
+            }
+        }
+        let batch = state.open.get_or_insert_with(|| Batch::new(start, offset));
+        batch.last_offset = offset;
+        if let Some(key) = counted {
+            let entry = batch.buckets.entry(key).or_insert_with(|| {
+                self.buckets_held += 1;
+                (0, false)
+            });
+            entry.0 += 1;
+            entry.1 = true;
+        }
+        if offset == start + n.get() as i64 - 1 {
+            // The batch's last offset: it is complete without waiting for the next record.
+            state.complete.push(state.open.take().expect("just inserted"));
+        }
+        state.next_start = Some(start + n.get() as i64);
+    }
+
+    /// Cuts the rows of every bucket changed since the last flush, drops complete batches
+    /// and reports the commit offset of every partition that has read anything.
+    pub fn take_flush(&mut self) -> Flush {
+        let partitions: Vec<i32> = self.partitions.keys().copied().collect();
+        self.cut(&partitions, false)
+    }
+
+    /// Like [`take_flush`](Self::take_flush) for the given partitions only, and forgets
+    /// them: used when partitions are revoked.
+    pub fn take_partitions(&mut self, partitions: &[i32]) -> Flush {
+        self.cut(partitions, true)
+    }
+
+    /// Forgets a partition without cutting rows: its state is stale (assigned again, so
+    /// the consumer restarts from the committed boundary and rebuilds it).
+    pub fn forget(&mut self, partition: i32) {
+        if let Some(state) = self.partitions.remove(&partition) {
+            self.buckets_held -= held(&state);
+        }
+    }
+
+    fn cut(&mut self, partitions: &[i32], remove: bool) -> Flush {
+        let mut flush = Flush::default();
+        for &p in partitions {
+            let Some(state) = self.partitions.get_mut(&p) else { continue };
+            for mut batch in state.complete.drain(..) {
+                batch.cut_rows(p, &mut flush.rows);
+                self.buckets_held -= batch.buckets.len();
+            }
+            if let Some(open) = &mut state.open {
+                open.cut_rows(p, &mut flush.rows);
+            }
+            let commit = match &state.open {
+                Some(open) => open.start,
+                None => state.next_start.expect("a partition with state has read an offset"),
+            };
+            flush.commits.insert(p, commit);
+            if remove {
+                let state = self.partitions.remove(&p).expect("present");
+                self.buckets_held -= held(&state);
+            }
+        }
+        flush.rows.sort_by_key(|r| (r.partition, r.batch_start, r.key));
+        flush
+    }
+
+    /// Buckets held in memory across all batches (bounded by the pipeline).
+    pub fn buckets_held(&self) -> usize {
+        self.buckets_held
+    }
+
+    pub fn partitions(&self) -> impl Iterator<Item = i32> + '_ {
+        self.partitions.keys().copied()
+    }
+
+    /// Whether some batch is complete and waiting for its final rows to be flushed.
+    pub fn has_complete_batches(&self) -> bool {
+        self.partitions.values().any(|s| !s.complete.is_empty())
+    }
+}
+
+fn held(state: &PartitionState) -> usize {
+    state.complete.iter().chain(state.open.iter()).map(|b| b.buckets.len()).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::{BTreeMap, HashSet};
+
+    fn key(ad_id: u64, minute: u32) -> BucketKey {
+        BucketKey { ad_id, minute: Minute::from_epoch_seconds(minute * 60) }
+    }
+
+    fn n(v: u64) -> BatchOffsets {
+        BatchOffsets::new(v).unwrap()
+    }
+
+    /// A stand-in for `ReplacingMergeTree(version)` read with FINAL: per batch and bucket
+    /// keep the row with the highest version, then sum over batches.
+    #[derive(Default)]
+    struct Table {
+        rows: HashMap<(i32, i64, BucketKey), (u64, i64)>,
+    }
+
+    impl Table {
+        fn apply(&mut self, flush: &Flush) {
+            for r in &flush.rows {
+                let slot = self.rows.entry((r.partition, r.batch_start, r.key)).or_insert((r.clicks, r.version));
+                if r.version >= slot.1 {
+                    *slot = (r.clicks, r.version);
+                }
+            }
+        }
+        fn billing(&self) -> BTreeMap<BucketKey, u64> {
+            let mut out = BTreeMap::new();
+            for ((_, _, k), (c, _)) in &self.rows {
+                *out.entry(*k).or_default() += c;
+            }
+            out
+        }
+    }
+
+    #[test]
+    fn batch_boundaries_are_multiples_of_n() {
+        let n = n(100);
+        assert_eq!(n.start_of(0), 0);
+        assert_eq!(n.start_of(99), 0);
+        assert_eq!(n.start_of(100), 100);
+        assert_eq!(n.start_of(250), 200);
+        assert_eq!(n.boundary_at_or_after(200), 200);
+        assert_eq!(n.boundary_at_or_after(201), 300);
+        assert!(BatchOffsets::new(0).is_none());
+    }
+
+    #[test]
+    fn rows_carry_cumulative_counts_and_the_last_offset_read() {
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 0, Some(key(1, 0)));
+        agg.observe(0, 1, None);
+        agg.observe(0, 2, Some(key(1, 0)));
+        let f = agg.take_flush();
+        assert_eq!(
+            f.rows,
+            vec![BatchRow { key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 }]
+        );
+        // The batch is still open: committing past its start would lose its clicks on a crash.
+        assert_eq!(f.commits, BTreeMap::from([(0, 0)]));
+
+        agg.observe(0, 3, Some(key(1, 0)));
+        let f = agg.take_flush();
+        assert_eq!(f.rows[0].clicks, 3);
+        assert_eq!(f.rows[0].version, 3);
+    }
+
+    #[test]
+    fn only_buckets_changed_since_the_last_flush_are_written() {
+        let mut agg = Aggregator::new(n(100));
+        agg.observe(0, 0, Some(key(1, 0)));
+        agg.observe(0, 1, Some(key(2, 0)));
+        agg.take_flush();
+        agg.observe(0, 2, Some(key(2, 0)));
+        let f = agg.take_flush();
+        assert_eq!(f.rows.len(), 1);
+        assert_eq!(f.rows[0].key, key(2, 0));
+        assert!(agg.take_flush().rows.is_empty());
+    }
+
+    #[test]
+    fn a_batch_completes_at_its_last_offset_or_when_a_later_offset_arrives() {
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 9, Some(key(1, 0)));
+        assert!(agg.has_complete_batches());
+        let f = agg.take_flush();
+        assert_eq!(f.commits, BTreeMap::from([(0, 10)]));
+
+        agg.observe(1, 5, Some(key(1, 0)));
+        agg.observe(1, 23, None); // offsets 6..23 compacted away
+        let f = agg.take_flush();
+        assert_eq!(f.rows.len(), 1);
+        assert_eq!(f.commits, BTreeMap::from([(0, 10), (1, 20)]));
+        assert_eq!(agg.buckets_held(), 0);
+    }
+
+    #[test]
+    fn revoked_partitions_are_cut_and_forgotten() {
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 0, Some(key(1, 0)));
+        agg.observe(1, 0, Some(key(1, 0)));
+        let f = agg.take_partitions(&[1]);
+        assert_eq!(f.rows.len(), 1);
+        assert_eq!(f.commits, BTreeMap::from([(1, 0)]));
+        assert_eq!(agg.partitions().collect::<Vec<_>>(), vec![0]);
+        assert_eq!(agg.buckets_held(), 1);
+        agg.forget(0);
+        assert_eq!(agg.buckets_held(), 0);
+    }
+
+    #[test]
+    fn a_replayed_flush_with_a_lower_version_never_wins() {
+        let mut table = Table::default();
+        let mut live = Aggregator::new(n(10));
+        for o in 0..10 {
+            live.observe(0, o, Some(key(1, 0)));
+        }
+        let complete = live.take_flush();
+        table.apply(&complete);
+
+        // A zombie that read only the first 4 offsets of the batch flushes late.
+        let mut zombie = Aggregator::new(n(10));
+        for o in 0..4 {
+            zombie.observe(0, o, Some(key(1, 0)));
+        }
+        table.apply(&zombie.take_flush());
+        assert_eq!(table.billing()[&key(1, 0)], 10);
+
+        // Retrying the complete flush changes nothing either.
+        table.apply(&complete);
+        assert_eq!(table.billing()[&key(1, 0)], 10);
+    }
+
+    /// One partition's log: each offset either counts a click in a bucket or not.
+    fn log_strategy() -> impl Strategy<Value = Vec<Option<(u64, u32)>>> {
+        prop::collection::vec(prop::option::weighted(0.8, (0u64..5, 0u32..4)), 1..300)
+    }
+
+    proptest! {
+        /// Billing counts do not depend on when flushes happen, and equal the number of
+        /// counted clicks per bucket.
+        #[test]
+        fn counts_are_independent_of_flush_timing(
+            logs in prop::collection::vec(log_strategy(), 1..4),
+            batch in 1u64..50,
+            flush_points in prop::collection::hash_set(0usize..300, 0..20),
+        ) {
+            let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
+            let mut table = Table::default();
+            let mut agg = Aggregator::new(n(batch));
+            let longest = logs.iter().map(Vec::len).max().unwrap();
+            for i in 0..longest {
+                for (p, log) in logs.iter().enumerate() {
+                    if let Some(entry) = log.get(i) {
+                        let counted = entry.map(|(ad, m)| key(ad, m));
+                        if let Some(k) = counted { *expected.entry(k).or_default() += 1; }
+                        agg.observe(p as i32, i as i64, counted);
+                    }
+                }
+                if flush_points.contains(&i) {
+                    table.apply(&agg.take_flush());
+                }
+            }
+            table.apply(&agg.take_flush());
+            prop_assert_eq!(table.billing(), expected);
+        }
+
+        /// A consumer that crashes and restarts from its last commit, at any point, rebuilds
+        /// rows that end in the same billing counts (the at-least-once + idempotent rows argument).
+        #[test]
+        fn restarting_from_the_committed_offset_counts_every_click_once(
+            log in log_strategy(),
+            batch in 1u64..40,
+            crash_points in prop::collection::vec((0usize..300, any::<bool>()), 0..6),
+        ) {
+            let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
+            for k in log.iter().flatten() { *expected.entry(key(k.0, k.1)).or_default() += 1; }
+
+            let mut table = Table::default();
+            let mut committed = 0i64;
+            for (crash_at, flush_before_crash) in crash_points {
+                let mut agg = Aggregator::new(n(batch));
+                for (o, entry) in log.iter().enumerate().skip(committed as usize).take(crash_at) {
+                    agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)));
+                }
+                if flush_before_crash && agg.partitions().next().is_some() {
+                    let f = agg.take_flush();
+                    table.apply(&f);
+                    committed = f.commits[&0];
+                }
+                // Crash: everything not flushed is lost.
+            }
+            let mut agg = Aggregator::new(n(batch));
+            for (o, entry) in log.iter().enumerate().skip(committed as usize) {
+                agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)));
+            }
+            table.apply(&agg.take_flush());
+            prop_assert_eq!(table.billing(), expected);
+        }
+
+        /// Commits are batch boundaries, never past the last offset read (whose click may be
+        /// only in this flush), and never more than the open batch behind it: a restart
+        /// re-reads at most one batch per partition.
+        #[test]
+        fn commits_are_boundaries_at_most_one_batch_behind(
+            log in log_strategy(),
+            batch in 1u64..40,
+            flush_every in 1usize..50,
+        ) {
+            let n = n(batch);
+            let mut agg = Aggregator::new(n);
+            for (o, entry) in log.iter().enumerate() {
+                let o = o as i64;
+                agg.observe(0, o, entry.map(|(a, m)| key(a, m)));
+                if o as usize % flush_every == 0 {
+                    let f = agg.take_flush();
+                    let commit = f.commits[&0];
+                    prop_assert_eq!(commit % batch as i64, 0);
+                    prop_assert!(commit <= o + 1);
+                    prop_assert!(commit >= n.start_of(o));
+                    for r in &f.rows { prop_assert!(r.version <= o); }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,167 @@
+//! Command-line flags. Every connection flag is also settable as an environment
+//! variable `CLICKAGG__SECTION__KEY` or in the TOML file; flags win (see `config`).
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::Override;
+
+#[derive(Debug, Parser)]
+#[command(name = "clickagg", version, about = "Exactly-once per-ad per-minute click counts from Kafka into ClickHouse")]
+pub struct Cli {
+    /// TOML configuration file (sections as in `clickagg config`).
+    #[arg(long, global = true, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub common: CommonFlags,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create the ClickHouse database and tables (idempotent).
+    Migrate,
+    /// Run one member of the consumer group until SIGINT/SIGTERM.
+    Run,
+    /// Generate seeded click events into the topic and write the ground truth.
+    Produce(ProduceArgs),
+    /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 only on an exact match.
+    Verify(VerifyArgs),
+    /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
+    Config,
+}
+
+/// Connection and pipeline flags shared by every command.
+#[derive(Debug, Args, Default)]
+pub struct CommonFlags {
+    /// Kafka bootstrap servers [env: CLICKAGG__KAFKA__BROKERS]
+    #[arg(long, global = true)]
+    pub brokers: Option<String>,
+    /// Topic of click events [env: CLICKAGG__KAFKA__TOPIC]
+    #[arg(long, global = true)]
+    pub topic: Option<String>,
+    /// Consumer group of `run` [env: CLICKAGG__KAFKA__GROUP]
+    #[arg(long, global = true)]
+    pub group: Option<String>,
+    /// Static group membership ID [env: CLICKAGG__KAFKA__GROUP_INSTANCE_ID]
+    #[arg(long, global = true)]
+    pub group_instance_id: Option<String>,
+    /// Redis URL, redis:// or rediss:// [env: CLICKAGG__REDIS__URL]
+    #[arg(long, global = true)]
+    pub redis_url: Option<String>,
+    /// Dedup window, e.g. 24h [env: CLICKAGG__REDIS__DEDUP_TTL]
+    #[arg(long, global = true)]
+    pub dedup_ttl: Option<String>,
+    /// ClickHouse HTTP(S) URL [env: CLICKAGG__CLICKHOUSE__URL]
+    #[arg(long, global = true)]
+    pub clickhouse_url: Option<String>,
+    /// ClickHouse user [env: CLICKAGG__CLICKHOUSE__USER]
+    #[arg(long, global = true)]
+    pub clickhouse_user: Option<String>,
+    /// ClickHouse password [env: CLICKAGG__CLICKHOUSE__PASSWORD]
+    #[arg(long, global = true)]
+    pub clickhouse_password: Option<String>,
+    /// ClickHouse database [env: CLICKAGG__CLICKHOUSE__DATABASE]
+    #[arg(long, global = true)]
+    pub clickhouse_database: Option<String>,
+    /// Batch size in offsets; fixed per topic [env: CLICKAGG__PIPELINE__BATCH_OFFSETS]
+    #[arg(long, global = true)]
+    pub batch_offsets: Option<u64>,
+    /// Flush interval, e.g. 1s [env: CLICKAGG__PIPELINE__FLUSH_INTERVAL]
+    #[arg(long, global = true)]
+    pub flush_interval: Option<String>,
+    /// How long shutdown may flush and commit, e.g. 30s [env: CLICKAGG__PIPELINE__DRAIN_TIMEOUT]
+    #[arg(long, global = true)]
+    pub drain_timeout: Option<String>,
+    /// Address of /metrics, /livez, /readyz [env: CLICKAGG__HTTP__ADDR]
+    #[arg(long, global = true)]
+    pub http_addr: Option<String>,
+    /// Log format: human or json [env: CLICKAGG__LOG__FORMAT]
+    #[arg(long, global = true)]
+    pub log_format: Option<String>,
+}
+
+impl CommonFlags {
+    /// The flags that were given, as configuration overrides.
+    pub fn overrides(&self) -> Vec<Override> {
+        let mut o: Vec<Override> = Vec::new();
+        let mut put = |key: &'static str, v: Option<figment::value::Value>| {
+            if let Some(v) = v {
+                o.push((key, v));
+            }
+        };
+        put("kafka.brokers", self.brokers.clone().map(Into::into));
+        put("kafka.topic", self.topic.clone().map(Into::into));
+        put("kafka.group", self.group.clone().map(Into::into));
+        put("kafka.group_instance_id", self.group_instance_id.clone().map(Into::into));
+        put("redis.url", self.redis_url.clone().map(Into::into));
+        put("redis.dedup_ttl", self.dedup_ttl.clone().map(Into::into));
+        put("clickhouse.url", self.clickhouse_url.clone().map(Into::into));
+        put("clickhouse.user", self.clickhouse_user.clone().map(Into::into));
+        put("clickhouse.password", self.clickhouse_password.clone().map(Into::into));
+        put("clickhouse.database", self.clickhouse_database.clone().map(Into::into));
+        put("pipeline.batch_offsets", self.batch_offsets.map(Into::into));
+        put("pipeline.flush_interval", self.flush_interval.clone().map(Into::into));
+        put("pipeline.drain_timeout", self.drain_timeout.clone().map(Into::into));
+        put("http.addr", self.http_addr.clone().map(Into::into));
+        put("log.format", self.log_format.clone().map(Into::into));
+        o
+    }
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct ProduceArgs {
+    /// Records to send (duplicates and malformed records included).
+    #[arg(long, default_value_t = 100_000)]
+    pub count: u64,
+    /// Records per second; 0 sends as fast as the broker takes them.
+    #[arg(long, default_value_t = 0)]
+    pub rate: u64,
+    /// Distinct ads; popularity is Zipf-distributed.
+    #[arg(long, default_value_t = 1_000)]
+    pub ads: u64,
+    /// Zipf exponent of ad popularity (larger: hotter head).
+    #[arg(long, default_value_t = 1.1)]
+    pub zipf_exponent: f64,
+    /// Fraction of records that repeat an earlier click.
+    #[arg(long, default_value_t = 0.1)]
+    pub duplicate_ratio: f64,
+    /// Fraction of new clicks that arrive minutes late.
+    #[arg(long, default_value_t = 0.02)]
+    pub late_ratio: f64,
+    /// Fraction of records that are malformed.
+    #[arg(long, default_value_t = 0.01)]
+    pub malformed_ratio: f64,
+    /// Partitions to create the topic with, if it does not exist.
+    #[arg(long, default_value_t = 4)]
+    pub partitions: i32,
+    /// Random seed: the same seed gives the same records.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Event-time span the records cover, e.g. 10m.
+    #[arg(long, default_value = "10m")]
+    pub span: humantime::Duration,
+    /// Event time of the first record (RFC 3339); default: now minus the span.
+    #[arg(long)]
+    pub start: Option<String>,
+    /// Where to write the ground truth (CSV: ad_id,minute,clicks).
+    #[arg(long, default_value = "truth.csv")]
+    pub truth: PathBuf,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct VerifyArgs {
+    /// Ground-truth CSV written by `clickagg produce`.
+    #[arg(long, value_name = "FILE")]
+    pub expected: PathBuf,
+    /// Compare the counts of all topics in the table, not only `kafka.topic`.
+    #[arg(long)]
+    pub all_topics: bool,
+    /// Print the billing counts too.
+    #[arg(long)]
+    pub print: bool,
+}

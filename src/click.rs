@@ -1,0 +1,356 @@
+//! Click events: the JSON contract with the ad servers, and the checks that decide
+//! whether a Kafka record is a countable click or a dead letter.
+//!
+//! Decoding is pure: it sees the record's bytes and the record's Kafka timestamp, never
+//! the wall clock, so a replay next month makes exactly the decisions made today.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::time::Duration;
+
+use serde::de::{self, Deserializer, Visitor};
+use serde::Deserialize;
+
+/// Identifies one click across producer retries and redeliveries; the dedup key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ClickId(String);
+
+impl ClickId {
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for ClickId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The start of an event-time minute, in seconds since the Unix epoch.
+///
+/// Stored in ClickHouse as `DateTime('UTC')`, which holds 32-bit unsigned seconds, so a
+/// `Minute` only exists for 1970-01-01 ..= 2106-02-07; anything else is rejected at decode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Minute(u32);
+
+impl Minute {
+    /// The minute containing `ts_ms` (milliseconds since the epoch), if representable.
+    pub fn from_millis(ts_ms: i64) -> Option<Minute> {
+        let secs = ts_ms.div_euclid(1000);
+        let minute = secs - secs.rem_euclid(60);
+        u32::try_from(minute).ok().map(Minute)
+    }
+
+    pub fn from_epoch_seconds(secs: u32) -> Minute {
+        Minute(secs - secs % 60)
+    }
+
+    pub fn epoch_seconds(self) -> u32 {
+        self.0
+    }
+
+    pub fn to_rfc3339(self) -> String {
+        chrono::DateTime::from_timestamp(i64::from(self.0), 0)
+            .expect("u32 seconds are always a valid timestamp")
+            .format("%Y-%m-%dT%H:%M:%SZ")
+            .to_string()
+    }
+}
+
+impl fmt::Display for Minute {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_rfc3339())
+    }
+}
+
+/// A valid click: what the rest of the pipeline sees.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Click {
+    pub click_id: ClickId,
+    pub ad_id: u64,
+    /// Event time in milliseconds since the epoch, as the ad server reported it.
+    pub ts_ms: i64,
+    pub minute: Minute,
+}
+
+/// Why a record is not a countable click. Each reason is a metric label and the value
+/// of the `clickagg-reason` header on the dead letter, so the set is closed and small.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RejectReason {
+    /// Tombstone or zero-length value.
+    EmptyPayload,
+    /// Larger than `validation.max_payload_bytes`.
+    Oversized,
+    NotUtf8,
+    /// Not JSON, or not a JSON object.
+    MalformedJson,
+    MissingField,
+    /// A field of the wrong JSON type, an `ad_id` outside u64, or an unparseable `ts`.
+    WrongType,
+    EmptyClickId,
+    ClickIdTooLong,
+    /// Event time further ahead of the Kafka record timestamp than `max_future_skew`.
+    TimestampAhead,
+    /// Event time further behind the Kafka record timestamp than `max_lateness`.
+    TimestampBehind,
+    /// Event time outside what a ClickHouse `DateTime` holds (1970..2106).
+    TimestampOutOfRange,
+}
+
+impl RejectReason {
+    pub const ALL: [RejectReason; 11] = [
+        RejectReason::EmptyPayload,
+        RejectReason::Oversized,
+        RejectReason::NotUtf8,
+        RejectReason::MalformedJson,
+        RejectReason::MissingField,
+        RejectReason::WrongType,
+        RejectReason::EmptyClickId,
+        RejectReason::ClickIdTooLong,
+        RejectReason::TimestampAhead,
+        RejectReason::TimestampBehind,
+        RejectReason::TimestampOutOfRange,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::EmptyPayload => "empty_payload",
+            RejectReason::Oversized => "oversized",
+            RejectReason::NotUtf8 => "not_utf8",
+            RejectReason::MalformedJson => "malformed_json",
+            RejectReason::MissingField => "missing_field",
+            RejectReason::WrongType => "wrong_type",
+            RejectReason::EmptyClickId => "empty_click_id",
+            RejectReason::ClickIdTooLong => "click_id_too_long",
+            RejectReason::TimestampAhead => "timestamp_ahead",
+            RejectReason::TimestampBehind => "timestamp_behind",
+            RejectReason::TimestampOutOfRange => "timestamp_out_of_range",
+        }
+    }
+}
+
+impl fmt::Display for RejectReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A rejected record: the reason, plus a human detail for logs and the dead letter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: RejectReason,
+    pub detail: String,
+}
+
+impl Rejection {
+    fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
+        Rejection { reason, detail: detail.into() }
+    }
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.reason, self.detail)
+    }
+}
+
+/// The limits a record is judged by (`[validation]` in the configuration).
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_payload_bytes: usize,
+    pub max_click_id_len: usize,
+    pub max_future_skew: Duration,
+    pub max_lateness: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_payload_bytes: 64 * 1024,
+            max_click_id_len: 128,
+            max_future_skew: Duration::from_secs(5 * 60),
+            max_lateness: Duration::from_secs(6 * 3600),
+        }
+    }
+}
+
+/// The JSON shape, borrowing from the payload; unknown fields are ignored.
+#[derive(Deserialize)]
+struct WireClick<'a> {
+    #[serde(borrow)]
+    click_id: Cow<'a, str>,
+    ad_id: u64,
+    #[serde(deserialize_with = "event_time_ms")]
+    ts: i64,
+}
+
+/// `ts` is either epoch milliseconds (a JSON integer) or an RFC 3339 string.
+fn event_time_ms<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    struct TsVisitor;
+    impl<'de> Visitor<'de> for TsVisitor {
+        type Value = i64;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("epoch milliseconds or an RFC 3339 timestamp")
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<i64, E> {
+            Ok(v)
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<i64, E> {
+            i64::try_from(v).map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<i64, E> {
+            chrono::DateTime::parse_from_rfc3339(v)
+                .map(|t| t.timestamp_millis())
+                .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
+        }
+    }
+    d.deserialize_any(TsVisitor)
+}
+
+/// Decides what one Kafka record is. `record_ts_ms` is the Kafka record timestamp
+/// (create or log-append time); when a record has none, the time checks are skipped
+/// rather than judged against the wall clock.
+pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits) -> Result<Click, Rejection> {
+    let bytes = match payload {
+        None | Some([]) => return Err(Rejection::new(RejectReason::EmptyPayload, "record has no value")),
+        Some(b) => b,
+    };
+    if bytes.len() > limits.max_payload_bytes {
+        return Err(Rejection::new(
+            RejectReason::Oversized,
+            format!("{} bytes, limit {}", bytes.len(), limits.max_payload_bytes),
+        ));
+    }
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| Rejection::new(RejectReason::NotUtf8, format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
+    let wire: WireClick = serde_json::from_str(text).map_err(classify_json_error)?;
+
+    if wire.click_id.is_empty() {
+        return Err(Rejection::new(RejectReason::EmptyClickId, "click_id is empty"));
+    }
+    if wire.click_id.len() > limits.max_click_id_len {
+        return Err(Rejection::new(
+            RejectReason::ClickIdTooLong,
+            format!("click_id has {} bytes, limit {}", wire.click_id.len(), limits.max_click_id_len),
+        ));
+    }
+    if let Some(record_ts) = record_ts_ms {
+        let ahead_limit = record_ts.saturating_add(limits.max_future_skew.as_millis() as i64);
+        let behind_limit = record_ts.saturating_sub(limits.max_lateness.as_millis() as i64);
+        if wire.ts > ahead_limit {
+            return Err(Rejection::new(
+                RejectReason::TimestampAhead,
+                format!("ts is {} ms ahead of the record timestamp", wire.ts - record_ts),
+            ));
+        }
+        if wire.ts < behind_limit {
+            return Err(Rejection::new(
+                RejectReason::TimestampBehind,
+                format!("ts is {} ms behind the record timestamp", record_ts - wire.ts),
+            ));
+        }
+    }
+    let minute = Minute::from_millis(wire.ts).ok_or_else(|| {
+        Rejection::new(RejectReason::TimestampOutOfRange, format!("ts {} ms is outside 1970..2106", wire.ts))
+    })?;
+    Ok(Click { click_id: ClickId(wire.click_id.into_owned()), ad_id: wire.ad_id, ts_ms: wire.ts, minute })
+}
+
+fn classify_json_error(e: serde_json::Error) -> Rejection {
+    use serde_json::error::Category;
+    let reason = match e.classify() {
+        Category::Data => {
+            if e.to_string().starts_with("missing field") {
+                RejectReason::MissingField
+            } else {
+                RejectReason::WrongType
+            }
+        }
+        Category::Syntax | Category::Eof | Category::Io => RejectReason::MalformedJson,
+    };
+    Rejection::new(reason, e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RECORD_TS: i64 = 1_764_489_600_000; // 2025-11-30T08:00:00Z
+
+    fn decode_str(s: &str) -> Result<Click, Rejection> {
+        decode(Some(s.as_bytes()), Some(RECORD_TS), &Limits::default())
+    }
+
+    fn reason(s: &str) -> RejectReason {
+        decode_str(s).unwrap_err().reason
+    }
+
+    #[test]
+    fn accepts_epoch_millis_and_rfc3339_and_ignores_extra_fields() {
+        let a = decode_str(r#"{"click_id":"c1","ad_id":7,"ts":1764489605123,"ua":"x"}"#).unwrap();
+        let b = decode_str(r#"{"ts":"2025-11-30T08:00:05.123Z","ad_id":7,"click_id":"c1"}"#).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.minute.to_rfc3339(), "2025-11-30T08:00:00Z");
+        assert_eq!(a.click_id.as_str(), "c1");
+    }
+
+    #[test]
+    fn rfc3339_offsets_are_normalised_to_utc() {
+        let c = decode_str(r#"{"click_id":"c","ad_id":1,"ts":"2025-11-30T09:01:30+01:00"}"#).unwrap();
+        assert_eq!(c.minute.to_rfc3339(), "2025-11-30T08:01:00Z");
+    }
+
+    #[test]
+    fn every_bad_input_class_has_its_reason() {
+        assert_eq!(decode(None, Some(RECORD_TS), &Limits::default()).unwrap_err().reason, RejectReason::EmptyPayload);
+        assert_eq!(reason(""), RejectReason::EmptyPayload);
+        assert_eq!(reason("{not json"), RejectReason::MalformedJson);
+        assert_eq!(reason("[1,2]"), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":1}"#), RejectReason::MissingField);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":"1","ts":1764489605123}"#), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":-1,"ts":1764489605123}"#), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":1,"ts":"yesterday"}"#), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":1,"ts":1.5}"#), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"click_id":"","ad_id":1,"ts":1764489605123}"#), RejectReason::EmptyClickId);
+        let long = format!(r#"{{"click_id":"{}","ad_id":1,"ts":1764489605123}}"#, "x".repeat(129));
+        assert_eq!(reason(&long), RejectReason::ClickIdTooLong);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":1,"ts":1764499605123}"#), RejectReason::TimestampAhead);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":1,"ts":1700000000000}"#), RejectReason::TimestampBehind);
+        let bad_utf8 = b"{\"click_id\":\"\xff\",\"ad_id\":1,\"ts\":1}";
+        assert_eq!(decode(Some(bad_utf8), None, &Limits::default()).unwrap_err().reason, RejectReason::NotUtf8);
+        let big = vec![b' '; 70 * 1024];
+        assert_eq!(decode(Some(&big), None, &Limits::default()).unwrap_err().reason, RejectReason::Oversized);
+        assert_eq!(
+            decode(Some(br#"{"click_id":"c","ad_id":1,"ts":-120000}"#), None, &Limits::default()).unwrap_err().reason,
+            RejectReason::TimestampOutOfRange
+        );
+    }
+
+    #[test]
+    fn lateness_is_judged_against_the_record_timestamp_not_the_wall_clock() {
+        // An event from 2020 inside a record stamped in 2020 is on time, whatever today is.
+        let then = 1_577_836_800_000; // 2020-01-01
+        let payload = br#"{"click_id":"c","ad_id":1,"ts":1577836790000}"#;
+        assert!(decode(Some(payload), Some(then), &Limits::default()).is_ok());
+    }
+
+    #[test]
+    fn the_limits_are_inclusive() {
+        let limits = Limits::default();
+        let skew = limits.max_future_skew.as_millis() as i64;
+        let late = limits.max_lateness.as_millis() as i64;
+        let at = |ts: i64| format!(r#"{{"click_id":"c","ad_id":1,"ts":{ts}}}"#);
+        assert!(decode_str(&at(RECORD_TS + skew)).is_ok());
+        assert!(decode_str(&at(RECORD_TS - late)).is_ok());
+        assert_eq!(reason(&at(RECORD_TS + skew + 1)), RejectReason::TimestampAhead);
+        assert_eq!(reason(&at(RECORD_TS - late - 1)), RejectReason::TimestampBehind);
+    }
+
+    #[test]
+    fn minutes_round_down_including_before_the_epoch_second() {
+        assert_eq!(Minute::from_millis(59_999).unwrap().epoch_seconds(), 0);
+        assert_eq!(Minute::from_millis(60_000).unwrap().epoch_seconds(), 60);
+        assert_eq!(Minute::from_millis(-1), None);
+    }
+}

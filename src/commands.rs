@@ -1,0 +1,162 @@
+//! One function per subcommand: wiring settings to the library, printing results,
+//! choosing exit codes. The work itself lives in the pipeline modules.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::cli::{Command, ProduceArgs, VerifyArgs};
+use crate::config::Settings;
+use crate::dedup::Dedup;
+use crate::health::{self, Health};
+use crate::pipeline::{Exit, Member};
+use crate::produce::{self, Spec, Truth};
+use crate::sink::Sink;
+use crate::verify;
+use crate::telemetry;
+
+/// Exit code when the drain timeout passed before everything was flushed.
+pub const EXIT_DRAIN_TIMEOUT: u8 = 3;
+
+pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> {
+    match command {
+        Command::Migrate => migrate(&settings).await,
+        Command::Run => run(settings).await,
+        Command::Produce(args) => produce(&settings, args).await,
+        Command::Verify(args) => verify(&settings, args).await,
+        Command::Config => {
+            print!("{}", settings.to_redacted_toml());
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+async fn migrate(s: &Settings) -> Result<ExitCode> {
+    let sink = Sink::new(&s.clickhouse);
+    let applied = sink.migrate().await.context("migrating ClickHouse")?;
+    for name in applied {
+        println!("applied {name} to database {}", sink.database());
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Cancels `token` on the first SIGINT or SIGTERM.
+fn cancel_on_signals(token: CancellationToken) {
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("SIGINT received; draining"),
+            _ = term.recv() => info!("SIGTERM received; draining"),
+        }
+        token.cancel();
+    });
+}
+
+async fn run(s: Settings) -> Result<ExitCode> {
+    let shutdown = CancellationToken::new();
+    cancel_on_signals(shutdown.clone());
+    let health = Health::new();
+    let metrics = telemetry::metrics();
+    let http_stop = CancellationToken::new();
+    if s.http.enabled {
+        let (addr, _) = health::serve(s.http.addr, health.clone(), metrics, http_stop.clone())
+            .await
+            .with_context(|| format!("binding http.addr {}", s.http.addr))?;
+        info!(%addr, "serving /metrics, /livez and /readyz");
+        let probe_redis = Dedup::new(s.redis_client()?, s.redis.key_prefix.clone(), s.redis.dedup_ttl, s.redis.timeout);
+        tokio::spawn(health::probe(
+            health.clone(),
+            probe_redis,
+            Sink::new(&s.clickhouse),
+            Duration::from_secs(5),
+            http_stop.clone(),
+        ));
+    }
+    let result = Member { settings: s, health }.run(shutdown).await;
+    http_stop.cancel();
+    match result {
+        Ok(Exit::Drained) => Ok(ExitCode::SUCCESS),
+        Ok(Exit::DrainTimedOut) => Ok(ExitCode::from(EXIT_DRAIN_TIMEOUT)),
+        Err(e) => {
+            error!(error = %e, "stopping");
+            Err(e.into())
+        }
+    }
+}
+
+async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
+    let start_ms = match &a.start {
+        Some(t) => chrono::DateTime::parse_from_rfc3339(t).context("--start must be RFC 3339")?.timestamp_millis(),
+        None => chrono::Utc::now().timestamp_millis() - a.span.as_millis() as i64,
+    };
+    for (name, v) in [("duplicate", a.duplicate_ratio), ("late", a.late_ratio), ("malformed", a.malformed_ratio)] {
+        if !(0.0..=1.0).contains(&v) {
+            bail!("--{name}-ratio must be between 0 and 1");
+        }
+    }
+    let spec = Spec {
+        count: a.count,
+        seed: a.seed,
+        ads: a.ads,
+        zipf_exponent: a.zipf_exponent,
+        duplicate_ratio: a.duplicate_ratio,
+        late_ratio: a.late_ratio,
+        malformed_ratio: a.malformed_ratio,
+        start_ms,
+        span: a.span.into(),
+    };
+    let (records, truth) = produce::plan(&spec);
+    truth.write_csv(&a.truth).with_context(|| format!("writing {}", a.truth.display()))?;
+    let started = Instant::now();
+    let bar = progress_bar(records.len() as u64, "producing");
+    produce::send(&s.kafka, &s.kafka.topic, a.partitions, &records, Some(a.rate), |n| bar.set_position(n))
+        .await
+        .context("producing click events")?;
+    bar.finish_and_clear();
+    let secs = started.elapsed().as_secs_f64();
+    println!(
+        "sent {} records to {} in {:.1}s ({:.0}/s): {}",
+        records.len(),
+        s.kafka.topic,
+        secs,
+        records.len() as f64 / secs,
+        truth.summary()
+    );
+    println!("ground truth: {}", a.truth.display());
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn verify(s: &Settings, a: VerifyArgs) -> Result<ExitCode> {
+    let expected = Truth::read_csv(&a.expected).map_err(anyhow::Error::msg)?;
+    let sink = Sink::new(&s.clickhouse);
+    let topic = (!a.all_topics).then_some(s.kafka.topic.as_str());
+    let actual = sink.billing(topic, None, None).await.context("reading billing counts")?;
+    if a.print {
+        println!("{:>20}  {:<20}  {:>8}", "ad_id", "minute", "clicks");
+        for (k, c) in &actual {
+            println!("{:>20}  {:<20}  {:>8}", k.ad_id, k.minute.to_rfc3339(), c);
+        }
+    }
+    let d = verify::diff(&expected, &actual);
+    print!("{}", d.report(20));
+    Ok(if d.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// A progress bar on a terminal; hidden otherwise (logs carry progress there).
+pub fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {pos}/{len} ({per_sec}, eta {eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}

@@ -1,0 +1,628 @@
+//! Typed settings: defaults < TOML file (`--config`) < environment
+//! (`CLICKAGG__SECTION__KEY`) < command-line flags.
+//!
+//! Unknown keys are rejected wherever they come from, so a typo fails at startup
+//! instead of silently running with a default. Secrets are [`Secret`]s: they print as
+//! `[redacted]` in `Debug`, in `clickagg config` and in every error message.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use secrecy::{ExposeSecret, SecretString};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::aggregate::BatchOffsets;
+use crate::click::Limits;
+
+/// A secret value: never printed, never serialized in clear.
+#[derive(Clone)]
+pub struct Secret(SecretString);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Secret {
+        Secret(SecretString::from(s.into()))
+    }
+
+    /// The only way to read the value: at the call that hands it to a client library.
+    pub fn expose(&self) -> &str {
+        self.0.expose_secret()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str("[redacted]")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(Secret::new)
+    }
+}
+
+/// A URL that may carry a password (`redis://user:pass@host`). Displayed, logged and
+/// serialized with the password replaced.
+#[derive(Clone)]
+pub struct SecretUrl(Secret);
+
+impl SecretUrl {
+    pub fn new(s: impl Into<String>) -> SecretUrl {
+        SecretUrl(Secret::new(s))
+    }
+
+    pub fn expose(&self) -> &str {
+        self.0.expose()
+    }
+
+    /// The URL with any password replaced by `[redacted]`.
+    pub fn redacted(&self) -> String {
+        match url::Url::parse(self.expose()) {
+            Ok(mut u) => {
+                if u.password().is_some() {
+                    let _ = u.set_password(Some("[redacted]"));
+                }
+                u.to_string()
+            }
+            // Unparseable: show nothing of it rather than risk printing a secret.
+            Err(_) => "[unparseable URL redacted]".to_string(),
+        }
+    }
+}
+
+impl fmt::Debug for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl fmt::Display for SecretUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl Serialize for SecretUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.redacted())
+    }
+}
+
+impl<'de> Deserialize<'de> for SecretUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(SecretUrl::new)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub kafka: KafkaSettings,
+    pub redis: RedisSettings,
+    pub clickhouse: ClickHouseSettings,
+    pub pipeline: PipelineSettings,
+    pub validation: ValidationSettings,
+    pub dead_letter: DeadLetterSettings,
+    pub http: HttpSettings,
+    pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct KafkaSettings {
+    /// `bootstrap.servers`.
+    pub brokers: String,
+    pub topic: String,
+    /// The consumer group of `clickagg run`.
+    pub group: String,
+    /// Static membership (`group.instance.id`): a restarted pod keeps its partitions
+    /// without a rebalance if it comes back within the session timeout.
+    pub group_instance_id: Option<String>,
+    #[serde(with = "humantime_serde")]
+    pub session_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub max_poll_interval: Duration,
+    /// `security.protocol`: plaintext, ssl, sasl_plaintext or sasl_ssl.
+    pub security_protocol: Option<String>,
+    /// `sasl.mechanism`: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512.
+    pub sasl_mechanism: Option<String>,
+    pub sasl_username: Option<String>,
+    pub sasl_password: Option<Secret>,
+    pub ssl_ca_location: Option<PathBuf>,
+    pub ssl_certificate_location: Option<PathBuf>,
+    pub ssl_key_location: Option<PathBuf>,
+    pub ssl_key_password: Option<Secret>,
+    /// Any other librdkafka property, passed through verbatim (values are treated as
+    /// secrets when printed, since they may hold credentials).
+    pub properties: BTreeMap<String, Secret>,
+}
+
+impl Default for KafkaSettings {
+    fn default() -> Self {
+        KafkaSettings {
+            brokers: "127.0.0.1:9092".into(),
+            topic: "clicks".into(),
+            group: "clickagg".into(),
+            group_instance_id: None,
+            session_timeout: Duration::from_secs(45),
+            max_poll_interval: Duration::from_secs(300),
+            security_protocol: None,
+            sasl_mechanism: None,
+            sasl_username: None,
+            sasl_password: None,
+            ssl_ca_location: None,
+            ssl_certificate_location: None,
+            ssl_key_location: None,
+            ssl_key_password: None,
+            properties: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisSettings {
+    /// `redis://` or `rediss://` (TLS); may carry `user:password@`.
+    pub url: SecretUrl,
+    /// ACL user, if not in the URL.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// Prefix of every dedup key; lets several deployments share one Redis.
+    pub key_prefix: String,
+    /// The dedup window: how long a click ID is remembered after it is first claimed.
+    #[serde(with = "humantime_serde")]
+    pub dedup_ttl: Duration,
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for RedisSettings {
+    fn default() -> Self {
+        RedisSettings {
+            url: SecretUrl::new("redis://127.0.0.1:6379/"),
+            username: None,
+            password: None,
+            key_prefix: "clickagg:dedup:".into(),
+            dedup_ttl: Duration::from_secs(24 * 3600),
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClickHouseSettings {
+    /// HTTP(S) endpoint.
+    pub url: String,
+    pub user: String,
+    pub password: Option<Secret>,
+    pub database: String,
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+}
+
+impl Default for ClickHouseSettings {
+    fn default() -> Self {
+        ClickHouseSettings {
+            url: "http://127.0.0.1:8123".into(),
+            user: "default".into(),
+            password: None,
+            database: "clickagg".into(),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineSettings {
+    /// Batch size in offsets (`N`): part of every batch ID, fixed per topic.
+    pub batch_offsets: u64,
+    /// How often changed buckets are written even if no batch completed.
+    #[serde(with = "humantime_serde")]
+    pub flush_interval: Duration,
+    /// Records taken from the consumer per poll batch (one Redis pipeline each).
+    pub max_poll_records: usize,
+    /// Consumption pauses while more buckets than this are held unflushed (ClickHouse
+    /// down or slow), which bounds memory.
+    pub max_unflushed_buckets: usize,
+    /// How long shutdown and partition revocation may spend flushing and committing.
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
+    /// Upper bound of the exponential backoff between retries of Redis and ClickHouse.
+    #[serde(with = "humantime_serde")]
+    pub max_backoff: Duration,
+}
+
+impl Default for PipelineSettings {
+    fn default() -> Self {
+        PipelineSettings {
+            batch_offsets: 10_000,
+            flush_interval: Duration::from_secs(1),
+            max_poll_records: 2_000,
+            max_unflushed_buckets: 1_000_000,
+            drain_timeout: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidationSettings {
+    pub max_payload_bytes: usize,
+    pub max_click_id_len: usize,
+    /// How far an event's `ts` may be ahead of its Kafka record timestamp.
+    #[serde(with = "humantime_serde")]
+    pub max_future_skew: Duration,
+    /// How far an event's `ts` may be behind its Kafka record timestamp.
+    #[serde(with = "humantime_serde")]
+    pub max_lateness: Duration,
+}
+
+impl Default for ValidationSettings {
+    fn default() -> Self {
+        let l = Limits::default();
+        ValidationSettings {
+            max_payload_bytes: l.max_payload_bytes,
+            max_click_id_len: l.max_click_id_len,
+            max_future_skew: l.max_future_skew,
+            max_lateness: l.max_lateness,
+        }
+    }
+}
+
+impl ValidationSettings {
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_payload_bytes: self.max_payload_bytes,
+            max_click_id_len: self.max_click_id_len,
+            max_future_skew: self.max_future_skew,
+            max_lateness: self.max_lateness,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeadLetterSettings {
+    /// Rejected records are produced to `topic`; when disabled they are only counted
+    /// and logged (not recommended: a bad record then leaves no trace to replay).
+    pub enabled: bool,
+    /// Defaults to `<kafka.topic>.dlq`.
+    pub topic: Option<String>,
+}
+
+impl Default for DeadLetterSettings {
+    fn default() -> Self {
+        DeadLetterSettings { enabled: true, topic: None }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpSettings {
+    /// `/metrics`, `/livez` and `/readyz`. Port 0 picks a free port (logged at start).
+    pub addr: SocketAddr,
+    pub enabled: bool,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        HttpSettings { addr: "127.0.0.1:9464".parse().expect("valid"), enabled: true }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// `RUST_LOG`-style filter; the `RUST_LOG` variable wins when set.
+    pub filter: String,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings { format: LogFormat::Human, filter: "info".into() }
+    }
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            kafka: KafkaSettings::default(),
+            redis: RedisSettings::default(),
+            clickhouse: ClickHouseSettings::default(),
+            pipeline: PipelineSettings::default(),
+            validation: ValidationSettings::default(),
+            dead_letter: DeadLetterSettings::default(),
+            http: HttpSettings::default(),
+            log: LogSettings::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration file {0} does not exist")]
+    MissingFile(PathBuf),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// A flag override: a dotted key (`kafka.brokers`) and its value.
+pub type Override = (&'static str, figment::value::Value);
+
+impl Settings {
+    /// Layers defaults < file < environment < flags and validates the result.
+    pub fn load(file: Option<&Path>, overrides: Vec<Override>) -> Result<Settings, ConfigError> {
+        Self::load_from_env(file, overrides, Env::prefixed("CLICKAGG__").split("__"))
+    }
+
+    fn load_from_env(file: Option<&Path>, overrides: Vec<Override>, env: Env) -> Result<Settings, ConfigError> {
+        // Every struct is `#[serde(default)]`, so an empty figment yields the defaults.
+        let mut figment = Figment::new();
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::MissingFile(path.to_path_buf()));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment.merge(env);
+        for (key, value) in overrides {
+            figment = figment.merge(Serialized::default(key, value));
+        }
+        let settings: Settings = figment.extract().map_err(|e| ConfigError::Invalid(describe(e)))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// Cross-field checks, each saying what to change.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let p = &self.pipeline;
+        if BatchOffsets::new(p.batch_offsets).is_none() {
+            problems.push("pipeline.batch_offsets must be at least 1".to_string());
+        }
+        if p.max_poll_records == 0 {
+            problems.push("pipeline.max_poll_records must be at least 1".to_string());
+        }
+        if p.flush_interval.is_zero() {
+            problems.push("pipeline.flush_interval must be longer than 0".to_string());
+        }
+        if p.drain_timeout >= self.kafka.session_timeout {
+            problems.push(format!(
+                "pipeline.drain_timeout ({}) must be shorter than kafka.session_timeout ({}): \
+                 a member still draining would be evicted from the group mid-commit; \
+                 lower pipeline.drain_timeout or raise kafka.session_timeout",
+                humantime::format_duration(p.drain_timeout),
+                humantime::format_duration(self.kafka.session_timeout)
+            ));
+        }
+        if p.flush_interval >= self.kafka.max_poll_interval {
+            problems.push(format!(
+                "pipeline.flush_interval ({}) must be shorter than kafka.max_poll_interval ({})",
+                humantime::format_duration(p.flush_interval),
+                humantime::format_duration(self.kafka.max_poll_interval)
+            ));
+        }
+        if self.validation.max_lateness > self.redis.dedup_ttl {
+            problems.push(format!(
+                "validation.max_lateness ({}) exceeds redis.dedup_ttl ({}): a late duplicate could arrive \
+                 after its dedup key expired and be counted twice; raise redis.dedup_ttl or lower validation.max_lateness",
+                humantime::format_duration(self.validation.max_lateness),
+                humantime::format_duration(self.redis.dedup_ttl)
+            ));
+        }
+        if self.redis.dedup_ttl < Duration::from_secs(1) {
+            problems.push("redis.dedup_ttl must be at least 1s".to_string());
+        }
+        if self.kafka.topic.is_empty() || self.kafka.group.is_empty() || self.kafka.brokers.is_empty() {
+            problems.push("kafka.brokers, kafka.topic and kafka.group must not be empty".to_string());
+        }
+        if self.dead_letter.enabled && self.dead_letter_topic() == self.kafka.topic {
+            problems.push("dead_letter.topic must differ from kafka.topic".to_string());
+        }
+        if let Some(m) = &self.kafka.sasl_mechanism {
+            if !["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER", "GSSAPI"].contains(&m.as_str()) {
+                problems.push(format!("kafka.sasl_mechanism {m:?} is not one of PLAIN, SCRAM-SHA-256, SCRAM-SHA-512"));
+            }
+            if self.kafka.sasl_username.is_none() || self.kafka.sasl_password.is_none() {
+                problems.push("kafka.sasl_mechanism needs kafka.sasl_username and kafka.sasl_password".to_string());
+            }
+        }
+        if let Some(proto) = &self.kafka.security_protocol {
+            let proto = proto.to_ascii_lowercase();
+            if !["plaintext", "ssl", "sasl_plaintext", "sasl_ssl"].contains(&proto.as_str()) {
+                problems.push(format!(
+                    "kafka.security_protocol {proto:?} is not one of plaintext, ssl, sasl_plaintext, sasl_ssl"
+                ));
+            }
+        }
+        if !self.redis.url.expose().starts_with("redis://")
+            && !self.redis.url.expose().starts_with("rediss://")
+            && !self.redis.url.expose().starts_with("redis+unix://")
+        {
+            problems.push(format!("redis.url {} must start with redis:// or rediss://", self.redis.url));
+        }
+        if !self.clickhouse.url.starts_with("http://") && !self.clickhouse.url.starts_with("https://") {
+            problems.push(format!("clickhouse.url {:?} must start with http:// or https://", self.clickhouse.url));
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems.join("; ")))
+        }
+    }
+
+    pub fn batch_offsets(&self) -> BatchOffsets {
+        BatchOffsets::new(self.pipeline.batch_offsets).expect("validated")
+    }
+
+    pub fn dead_letter_topic(&self) -> String {
+        self.dead_letter.topic.clone().unwrap_or_else(|| format!("{}.dlq", self.kafka.topic))
+    }
+
+    /// The effective configuration as TOML, secrets redacted (`clickagg config`).
+    pub fn to_redacted_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("settings always serialize")
+    }
+
+    /// The Redis client, with credentials from the URL or from `username`/`password`.
+    pub fn redis_client(&self) -> Result<redis::Client, ConfigError> {
+        let mut info: redis::ConnectionInfo = redis::IntoConnectionInfo::into_connection_info(self.redis.url.expose())
+            .map_err(|e| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str())))?;
+        let mut redis_settings = info.redis_settings().clone();
+        if let Some(user) = &self.redis.username {
+            redis_settings = redis_settings.set_username(user.clone());
+        }
+        if let Some(password) = &self.redis.password {
+            redis_settings = redis_settings.set_password(password.expose().to_string());
+        }
+        info = info.set_redis_settings(redis_settings);
+        redis::Client::open(info).map_err(|e| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str())))
+    }
+}
+
+trait KindStr {
+    fn kind_str(&self) -> String;
+}
+
+impl KindStr for redis::RedisError {
+    /// The error without its detail, which may quote the URL (and its password).
+    fn kind_str(&self) -> String {
+        format!("{:?}", self.kind())
+    }
+}
+
+/// Figment's error text, which names the key and the source (file, env variable) but,
+/// unlike some serde messages, never the offending value.
+fn describe(e: figment::Error) -> String {
+    e.into_iter()
+        .map(|e| {
+            let path = e.path.join(".");
+            let source = e.metadata.as_ref().map(|m| m.name.to_string()).unwrap_or_default();
+            let what = match &e.kind {
+                figment::error::Kind::UnknownField(field, expected) => {
+                    format!("unknown key {field:?} (expected one of {})", expected.join(", "))
+                }
+                figment::error::Kind::InvalidType(_, expected) => format!("wrong type, expected {expected}"),
+                figment::error::Kind::InvalidValue(_, expected) => format!("invalid value, expected {expected}"),
+                other => other.to_string(),
+            };
+            if path.is_empty() {
+                format!("{what} (from {source})")
+            } else {
+                format!("{path}: {what} (from {source})")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use figment::Jail;
+
+    #[test]
+    fn layers_apply_in_order_defaults_file_env_flags() {
+        Jail::expect_with(|jail| {
+            jail.create_file("c.toml", "[kafka]\nbrokers = \"file:9092\"\ntopic = \"from-file\"\ngroup = \"g-file\"\n")?;
+            jail.set_env("CLICKAGG__KAFKA__TOPIC", "from-env");
+            jail.set_env("CLICKAGG__KAFKA__GROUP", "g-env");
+            let s = Settings::load(Some(Path::new("c.toml")), vec![("kafka.group", "g-flag".into())]).unwrap();
+            assert_eq!(s.kafka.brokers, "file:9092");
+            assert_eq!(s.kafka.topic, "from-env");
+            assert_eq!(s.kafka.group, "g-flag");
+            assert_eq!(s.pipeline.batch_offsets, 10_000);
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_from_files_and_environment() {
+        Jail::expect_with(|jail| {
+            jail.create_file("c.toml", "[kafka]\nbrokerz = \"x\"\n")?;
+            let e = Settings::load(Some(Path::new("c.toml")), vec![]).unwrap_err().to_string();
+            assert!(e.contains("brokerz"), "{e}");
+            Ok(())
+        });
+        Jail::expect_with(|jail| {
+            jail.set_env("CLICKAGG__PIPELINE__BATCH_OFSETS", "5");
+            let e = Settings::load(None, vec![]).unwrap_err().to_string();
+            assert!(e.contains("batch_ofsets"), "{e}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn durations_parse_from_humane_strings() {
+        Jail::expect_with(|jail| {
+            jail.set_env("CLICKAGG__REDIS__DEDUP_TTL", "36h");
+            jail.set_env("CLICKAGG__PIPELINE__FLUSH_INTERVAL", "250ms");
+            let s = Settings::load(None, vec![]).unwrap();
+            assert_eq!(s.redis.dedup_ttl, Duration::from_secs(36 * 3600));
+            assert_eq!(s.pipeline.flush_interval, Duration::from_millis(250));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn cross_field_checks_say_what_to_change() {
+        let mut s = Settings::default();
+        s.pipeline.drain_timeout = Duration::from_secs(60);
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("lower pipeline.drain_timeout or raise kafka.session_timeout"), "{e}");
+
+        let mut s = Settings::default();
+        s.validation.max_lateness = Duration::from_secs(48 * 3600);
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("raise redis.dedup_ttl"), "{e}");
+
+        let mut s = Settings::default();
+        s.pipeline.batch_offsets = 0;
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn secrets_never_print() {
+        let mut s = Settings::default();
+        s.clickhouse.password = Some(Secret::new("ch-hunter2"));
+        s.kafka.sasl_password = Some(Secret::new("sasl-hunter2"));
+        s.redis.url = SecretUrl::new("redis://user:redis-hunter2@127.0.0.1:6379/");
+        s.kafka.properties.insert("sasl.oauthbearer.config".into(), Secret::new("prop-hunter2"));
+        let printed = format!("{s:?}\n{}", s.to_redacted_toml());
+        assert!(!printed.contains("hunter2"), "{printed}");
+        assert!(printed.contains("redis://user:%5Bredacted%5D@127.0.0.1:6379/") || printed.contains("[redacted]"));
+    }
+
+    #[test]
+    fn an_invalid_value_error_does_not_quote_the_value() {
+        Jail::expect_with(|jail| {
+            jail.set_env("CLICKAGG__HTTP__ADDR", "not-an-address-hunter2");
+            let e = Settings::load(None, vec![]).unwrap_err().to_string();
+            assert!(!e.contains("hunter2"), "{e}");
+            assert!(e.contains("http.addr"), "{e}");
+            Ok(())
+        });
+    }
+}

@@ -1,0 +1,118 @@
+//! `/metrics` (Prometheus text), `/livez` and `/readyz` on `http.addr`.
+//!
+//! Ready means: partitions assigned, and Redis and ClickHouse answered their last
+//! check. The pipeline flips the Redis and ClickHouse flags on every success and error
+//! it sees; a probe re-checks both every few seconds so an idle member notices too.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use axum::Router;
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio_util::sync::CancellationToken;
+
+use crate::dedup::Dedup;
+use crate::sink::Sink;
+
+/// What `/readyz` reports; shared by the pipeline, the probe and the HTTP server.
+#[derive(Debug, Default)]
+pub struct Health {
+    assigned_partitions: AtomicUsize,
+    redis_ok: AtomicBool,
+    clickhouse_ok: AtomicBool,
+}
+
+impl Health {
+    pub fn new() -> Arc<Health> {
+        Arc::new(Health::default())
+    }
+
+    pub fn set_assigned(&self, n: usize) {
+        self.assigned_partitions.store(n, Ordering::Relaxed);
+    }
+
+    pub fn set_redis(&self, ok: bool) {
+        self.redis_ok.store(ok, Ordering::Relaxed);
+    }
+
+    pub fn set_clickhouse(&self, ok: bool) {
+        self.clickhouse_ok.store(ok, Ordering::Relaxed);
+    }
+
+    /// `Ok` when ready, otherwise the reasons it is not.
+    pub fn readiness(&self) -> Result<(), Vec<&'static str>> {
+        let mut not = Vec::new();
+        if self.assigned_partitions.load(Ordering::Relaxed) == 0 {
+            not.push("no partitions assigned");
+        }
+        if !self.redis_ok.load(Ordering::Relaxed) {
+            not.push("redis unreachable");
+        }
+        if !self.clickhouse_ok.load(Ordering::Relaxed) {
+            not.push("clickhouse unreachable");
+        }
+        if not.is_empty() {
+            Ok(())
+        } else {
+            Err(not)
+        }
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+}
+
+/// Binds `addr` and serves until `shutdown`; returns the bound address (port 0 picks one).
+pub async fn serve(
+    addr: SocketAddr,
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+    shutdown: CancellationToken,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    let app = Router::new()
+        .route("/livez", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics_text))
+        .with_state(AppState { health, metrics });
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
+        if let Err(e) = served {
+            tracing::error!(error = %e, "health server stopped");
+        }
+    });
+    Ok((bound, task))
+}
+
+async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
+    match s.health.readiness() {
+        Ok(()) => (StatusCode::OK, "ready\n".into()),
+        Err(reasons) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", reasons.join(", "))),
+    }
+}
+
+async fn metrics_text(State(s): State<AppState>) -> String {
+    s.metrics.render()
+}
+
+/// Re-checks Redis and ClickHouse every `every` until `shutdown`.
+pub async fn probe(health: Arc<Health>, mut redis: Dedup, clickhouse: Sink, every: Duration, shutdown: CancellationToken) {
+    let mut ticker = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => {}
+        }
+        health.set_redis(redis.ping().await.is_ok());
+        health.set_clickhouse(clickhouse.ping().await.is_ok());
+    }
+}

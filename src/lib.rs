@@ -1,0 +1,36 @@
+//! clickagg: exactly-once, billable per-ad per-minute click counts from a Kafka topic
+//! into ClickHouse.
+//!
+//! # Layout
+//!
+//! In pipeline order:
+//!
+//! - [`config`]: typed settings (defaults < TOML < `CLICKAGG__…` env < flags), secrets.
+//! - [`telemetry`]: logs, metric names, the log rate limiter.
+//! - [`click`]: the click event, its newtypes, and the decode/validate rules.
+//! - [`source`]: Kafka client settings, consumed records, topic and offset look-ups.
+//! - [`dead_letter`]: rejected records to the dead-letter topic, with reason headers.
+//! - [`dedup`]: the Redis owner-token claim (`SET … NX GET`), pipelined per poll batch.
+//! - [`aggregate`]: pure per-partition, offset-aligned batches of counts → flushes.
+//! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
+//! - [`pipeline`]: the one loop wiring the stages for a consumer-group member.
+//! - [`health`]: `/metrics`, `/livez`, `/readyz`.
+//! - [`produce`], [`verify`]: the seeded load generator with its ground truth, and the diff.
+//! - [`cli`], [`commands`]: flags and one function per subcommand.
+//!
+//! `ARCHITECTURE.md` draws the stages and says which steps are safe to replay.
+
+pub mod aggregate;
+pub mod cli;
+pub mod click;
+pub mod commands;
+pub mod config;
+pub mod dead_letter;
+pub mod dedup;
+pub mod health;
+pub mod pipeline;
+pub mod produce;
+pub mod sink;
+pub mod source;
+pub mod telemetry;
+pub mod verify;

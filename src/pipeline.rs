@@ -1,0 +1,826 @@
+//! The only place the stages meet: one consumer-group member, in pipeline order.
+//!
+//! ```text
+//! poll batch ─► decode/validate ─► dead letters ─► dedup (one Redis pipeline)
+//!            ─► aggregate ─► flush (ClickHouse) ─► commit offsets
+//! ```
+//!
+//! One loop (`select!` over shutdown, the flush ticker and the next poll batch) drives
+//! [`Stages`]. Rebalance callbacks from librdkafka run *inside* the loop's poll of the
+//! consumer, on the same task, so they reach the same `Stages` through a mutex that is
+//! never contended: on revoke they flush the partitions and commit before librdkafka
+//! lets the partitions go (DESIGN.md §3: flush, then commit, then release).
+//!
+//! Error classes: a rejected record is routed to the dead-letter topic and counted; a
+//! transient Redis, ClickHouse or Kafka failure is retried with backoff while nothing
+//! is committed; a fatal one (bad credentials, a missing table, a batch-size mismatch)
+//! stops the member with a message saying what to fix.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::{FutureExt, StreamExt};
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, KafkaResult};
+use rdkafka::statistics::Statistics;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::runtime::Handle;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, info_span, warn, Instrument};
+
+use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
+use crate::click::Limits;
+use crate::config::Settings;
+use crate::dead_letter::DeadLetters;
+use crate::dedup::{Claim, Dedup, DedupError, Verdict};
+use crate::health::Health;
+use crate::sink::{Sink, SinkError};
+use crate::source::{self, Record};
+use crate::telemetry::{self as t, RateLimiter};
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("Kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Dedup(#[from] DedupError),
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    #[error("{0}")]
+    Startup(String),
+}
+
+/// How a member ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Everything read was flushed and committed.
+    Drained,
+    /// The drain timeout passed first; nothing unflushed was committed, and the next
+    /// owner re-reads the open batches.
+    DrainTimedOut,
+}
+
+/// Exponential backoff between retries of one failing service.
+#[derive(Debug)]
+pub struct Backoff {
+    next: Duration,
+    max: Duration,
+}
+
+impl Backoff {
+    pub fn new(max: Duration) -> Backoff {
+        Backoff { next: Duration::from_millis(100), max }
+    }
+
+    /// The delay before the next attempt; doubles up to the maximum.
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.next;
+        self.next = (self.next * 2).min(self.max);
+        d
+    }
+
+    pub fn reset(&mut self) {
+        self.next = Duration::from_millis(100);
+    }
+}
+
+/// What a poll batch did, for metrics and for `replay`'s summary.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct BatchStats {
+    pub records: u64,
+    pub counted: u64,
+    pub redelivered: u64,
+    pub duplicates: u64,
+    pub invalid: u64,
+    pub skipped: u64,
+}
+
+impl BatchStats {
+    pub fn add(&mut self, o: &BatchStats) {
+        self.records += o.records;
+        self.counted += o.counted;
+        self.redelivered += o.redelivered;
+        self.duplicates += o.duplicates;
+        self.invalid += o.invalid;
+        self.skipped += o.skipped;
+    }
+}
+
+/// Every stage's state. Owned by the loop, reached by rebalance callbacks.
+pub struct Stages {
+    topic: String,
+    limits: Limits,
+    pub agg: Aggregator,
+    dedup: Dedup,
+    dead_letters: Option<DeadLetters>,
+    sink: Sink,
+    /// A flush cut from the aggregator but not yet durable. Flushes land one at a time
+    /// and in order: a later flush's commits assume the earlier rows are durable.
+    pending: Option<Flush>,
+    next_flush_attempt: Instant,
+    flush_backoff: Backoff,
+    max_backoff: Duration,
+    drain_timeout: Duration,
+    /// Partitions this member owns now. Records of other partitions (fetched before a
+    /// revoke) are dropped; commits are only sent for owned partitions.
+    assigned: BTreeSet<i32>,
+    /// Assigned partitions whose first record has not arrived yet.
+    fresh: BTreeSet<i32>,
+    /// Per partition, records below this offset are skipped: their batch starts before
+    /// the log start (retention removed its beginning), so a count of it would be partial.
+    skip_below: HashMap<i32, i64>,
+    /// Set when the drain failed: revocation then forgets state without writing.
+    abandoned: bool,
+    pub totals: BatchStats,
+    health: Arc<Health>,
+    log_limit: RateLimiter,
+}
+
+pub struct StagesConfig {
+    pub topic: String,
+    pub limits: Limits,
+    pub batch_offsets: BatchOffsets,
+    pub max_backoff: Duration,
+    pub drain_timeout: Duration,
+}
+
+impl StagesConfig {
+    pub fn from_settings(s: &Settings) -> StagesConfig {
+        StagesConfig {
+            topic: s.kafka.topic.clone(),
+            limits: s.validation.limits(),
+            batch_offsets: s.batch_offsets(),
+            max_backoff: s.pipeline.max_backoff,
+            drain_timeout: s.pipeline.drain_timeout,
+        }
+    }
+}
+
+/// Why processing stopped before the poll batch was fully applied.
+#[derive(Debug)]
+pub enum Interrupted {
+    Shutdown,
+    Fatal(PipelineError),
+}
+
+impl Stages {
+    pub fn new(
+        cfg: StagesConfig,
+        dedup: Dedup,
+        dead_letters: Option<DeadLetters>,
+        sink: Sink,
+        health: Arc<Health>,
+    ) -> Stages {
+        Stages {
+            topic: cfg.topic,
+            limits: cfg.limits,
+            agg: Aggregator::new(cfg.batch_offsets),
+            dedup,
+            dead_letters,
+            sink,
+            pending: None,
+            next_flush_attempt: Instant::now(),
+            flush_backoff: Backoff::new(cfg.max_backoff),
+            max_backoff: cfg.max_backoff,
+            drain_timeout: cfg.drain_timeout,
+            assigned: BTreeSet::new(),
+            fresh: BTreeSet::new(),
+            skip_below: HashMap::new(),
+            abandoned: false,
+            totals: BatchStats::default(),
+            health,
+            log_limit: RateLimiter::new(Duration::from_secs(5)),
+        }
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Partitions become ours: any state left from an earlier ownership is stale
+    /// (the consumer restarts from the committed boundary), so it is dropped.
+    pub fn assign(&mut self, partitions: &[i32]) {
+        for &p in partitions {
+            self.agg.forget(p);
+            self.skip_below.remove(&p);
+            self.assigned.insert(p);
+            self.fresh.insert(p);
+        }
+        self.health.set_assigned(self.assigned.len());
+        metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.assigned.len() as f64);
+    }
+
+    /// Partitions stop being ours: flush their state and commit, within the drain
+    /// timeout, then forget them. When the assignment was lost (session timeout),
+    /// another member may own them already: forget without committing.
+    pub async fn revoke<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, partitions: &[i32], lost: bool) {
+        let span = info_span!("revoke", partitions = ?partitions, lost);
+        async {
+            if !lost && !self.abandoned {
+                let cut = self.agg.take_partitions(partitions);
+                match self.pending.as_mut() {
+                    Some(pending) => pending.merge(cut),
+                    None => self.pending = Some(cut),
+                }
+                let deadline = Instant::now() + self.drain_timeout;
+                match self.flush_until(deadline, consumer, CommitMode::Sync).await {
+                    Ok(true) => info!("flushed and committed revoked partitions"),
+                    Ok(false) => warn!("could not flush revoked partitions within the drain timeout; the next owner re-reads their open batches"),
+                    Err(e) => error!(error = %e, "flushing revoked partitions failed"),
+                }
+            }
+            for &p in partitions {
+                self.agg.forget(p);
+                self.assigned.remove(&p);
+                self.fresh.remove(&p);
+                self.skip_below.remove(&p);
+            }
+            self.health.set_assigned(self.assigned.len());
+            metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.assigned.len() as f64);
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Applies one poll batch: dead letters, dedup, aggregation. Returns early only on
+    /// shutdown or a fatal error; transient failures are retried here with backoff.
+    pub async fn process<C: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<C>,
+        mut records: Vec<Record>,
+        shutdown: &CancellationToken,
+    ) -> Result<BatchStats, Interrupted> {
+        let mut stats = BatchStats::default();
+        records.retain(|r| self.assigned.contains(&r.partition));
+        self.skip_partial_batches(consumer, &mut records, &mut stats);
+        stats.records = records.len() as u64 + stats.skipped;
+
+        if records.iter().any(|r| r.outcome.is_err()) {
+            stats.invalid = self.route_rejected(&records, shutdown).await?;
+        }
+
+        let claims: Vec<Claim> = records
+            .iter()
+            .filter_map(|r| {
+                r.outcome
+                    .as_ref()
+                    .ok()
+                    .map(|c| Claim { click_id: c.click_id.as_str(), partition: r.partition, offset: r.offset })
+            })
+            .collect();
+        let verdicts = self.claim_with_retry(&claims, shutdown).await?;
+
+        let mut verdicts = verdicts.into_iter();
+        for r in &records {
+            let counted = match &r.outcome {
+                Ok(click) => match verdicts.next().expect("one verdict per valid record") {
+                    Verdict::First => {
+                        stats.counted += 1;
+                        Some(BucketKey { ad_id: click.ad_id, minute: click.minute })
+                    }
+                    Verdict::Redelivered => {
+                        stats.counted += 1;
+                        stats.redelivered += 1;
+                        Some(BucketKey { ad_id: click.ad_id, minute: click.minute })
+                    }
+                    Verdict::Duplicate => {
+                        stats.duplicates += 1;
+                        None
+                    }
+                },
+                Err(_) => None,
+            };
+            self.agg.observe(r.partition, r.offset, counted);
+        }
+
+        metrics::counter!(t::RECORDS_CONSUMED).increment(stats.records);
+        metrics::counter!(t::CLICKS_COUNTED).increment(stats.counted);
+        metrics::counter!(t::REDELIVERIES).increment(stats.redelivered);
+        metrics::counter!(t::DUPLICATES_DROPPED).increment(stats.duplicates);
+        metrics::counter!(t::SKIPPED_PARTIAL_BATCH).increment(stats.skipped);
+        metrics::gauge!(t::BUCKETS_HELD).set(self.agg.buckets_held() as f64);
+        self.totals.add(&stats);
+        Ok(stats)
+    }
+
+    /// The first record of a newly assigned partition tells whether its batch is whole
+    /// in the log. If retention removed the batch's start, counting the rest would write
+    /// a smaller cumulative count over the complete one; skip to the next boundary.
+    fn skip_partial_batches<C: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<C>,
+        records: &mut Vec<Record>,
+        stats: &mut BatchStats,
+    ) {
+        let n = self.agg.batch_offsets();
+        for r in records.iter() {
+            if !self.fresh.remove(&r.partition) || n.start_of(r.offset) == r.offset {
+                continue;
+            }
+            let low = tokio::task::block_in_place(|| {
+                consumer.fetch_watermarks(&self.topic, r.partition, Duration::from_secs(10))
+            });
+            match low {
+                Ok((low, _)) if n.start_of(r.offset) < low => {
+                    let boundary = n.boundary_at_or_after(r.offset);
+                    warn!(
+                        partition = r.partition,
+                        log_start = low,
+                        first_offset = r.offset,
+                        resume_at = boundary,
+                        "the batch at the log start was partly removed by retention; skipping to the next batch boundary"
+                    );
+                    self.skip_below.insert(r.partition, boundary);
+                }
+                Ok(_) => {}
+                Err(e) => warn!(partition = r.partition, error = %e, "could not read the log start; assuming the batch is whole"),
+            }
+        }
+        if self.skip_below.is_empty() {
+            return;
+        }
+        records.retain(|r| match self.skip_below.get(&r.partition) {
+            Some(&b) if r.offset < b => {
+                stats.skipped += 1;
+                false
+            }
+            _ => true,
+        });
+    }
+
+    async fn route_rejected(&mut self, records: &[Record], shutdown: &CancellationToken) -> Result<u64, Interrupted> {
+        let mut invalid = 0u64;
+        for r in records {
+            if let Err(rejected) = &r.outcome {
+                invalid += 1;
+                let reason = rejected.rejection.reason.as_str();
+                metrics::counter!(t::INVALID_RECORDS, "reason" => reason).increment(1);
+                if let Some(suppressed) = self.log_limit.allow(reason, Instant::now()) {
+                    warn!(
+                        partition = r.partition,
+                        offset = r.offset,
+                        reason,
+                        detail = %rejected.rejection.detail,
+                        suppressed_since_last = suppressed,
+                        "rejected record"
+                    );
+                }
+            }
+        }
+        let Some(dl) = &self.dead_letters else { return Ok(invalid) };
+        let mut backoff = Backoff::new(self.max_backoff);
+        loop {
+            match dl.send(records).await {
+                Ok(n) => {
+                    metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
+                    return Ok(invalid);
+                }
+                Err(e) => {
+                    metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
+                    warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying");
+                    sleep_or_shutdown(backoff.next_delay(), shutdown).await?;
+                }
+            }
+        }
+    }
+
+    async fn claim_with_retry(&mut self, claims: &[Claim<'_>], shutdown: &CancellationToken) -> Result<Vec<Verdict>, Interrupted> {
+        let mut backoff = Backoff::new(self.max_backoff);
+        loop {
+            match self.dedup.claim(&self.topic, claims).await {
+                Ok(v) => {
+                    self.health.set_redis(true);
+                    return Ok(v);
+                }
+                Err(e) if e.is_fatal() => return Err(Interrupted::Fatal(e.into())),
+                Err(e) => {
+                    // Dedup is never skipped: the batch waits, nothing is committed.
+                    self.health.set_redis(false);
+                    metrics::counter!(t::REDIS_ERRORS).increment(1);
+                    metrics::counter!(t::REDIS_RETRIES).increment(1);
+                    if self.log_limit.allow("redis", Instant::now()).is_some() {
+                        warn!(error = %e, "dedup failed; retrying with backoff");
+                    }
+                    sleep_or_shutdown(backoff.next_delay(), shutdown).await?;
+                }
+            }
+        }
+    }
+
+    /// Buckets held in memory, including a flush waiting to be retried.
+    pub fn unflushed_buckets(&self) -> usize {
+        self.agg.buckets_held() + self.pending.as_ref().map_or(0, |f| f.rows.len())
+    }
+
+    pub fn has_complete_batches(&self) -> bool {
+        self.agg.has_complete_batches()
+    }
+
+    /// One flush attempt, unless a retry is not due yet. Transient failures keep the
+    /// rows for the next attempt; fatal ones are returned.
+    pub async fn flush<C: ConsumerContext>(&mut self, consumer: &impl Consumer<C>, mode: CommitMode) -> Result<bool, SinkError> {
+        if self.pending.is_none() {
+            let f = self.agg.take_flush();
+            if f.is_empty() {
+                return Ok(true);
+            }
+            self.pending = Some(f);
+        }
+        if Instant::now() < self.next_flush_attempt {
+            return Ok(false);
+        }
+        let pending = self.pending.as_ref().expect("set above");
+        let started = Instant::now();
+        let span = info_span!("flush", rows = pending.rows.len(), commits = ?pending.commits);
+        let result = self.sink.insert(&self.topic, &pending.rows).instrument(span.clone()).await;
+        match result {
+            Ok(()) => {
+                metrics::histogram!(t::FLUSH_DURATION).record(started.elapsed().as_secs_f64());
+                metrics::counter!(t::FLUSHES).increment(1);
+                metrics::counter!(t::ROWS_FLUSHED).increment(pending.rows.len() as u64);
+                span.in_scope(|| debug!(elapsed_ms = started.elapsed().as_millis() as u64, "flushed"));
+                self.health.set_clickhouse(true);
+                let pending = self.pending.take().expect("set above");
+                self.commit(consumer, &pending.commits, mode);
+                self.flush_backoff.reset();
+                self.next_flush_attempt = Instant::now();
+                Ok(true)
+            }
+            Err(e) if e.is_fatal() => Err(e),
+            Err(e) => {
+                self.health.set_clickhouse(false);
+                metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
+                metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
+                let delay = self.flush_backoff.next_delay();
+                self.next_flush_attempt = Instant::now() + delay;
+                if self.log_limit.allow("clickhouse", Instant::now()).is_some() {
+                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, unflushed_buckets = self.unflushed_buckets(), "flush failed; keeping the rows and retrying");
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    /// Flushes everything until done or `deadline`. `Ok(true)` when all is durable and committed.
+    pub async fn flush_until<C: ConsumerContext>(
+        &mut self,
+        deadline: Instant,
+        consumer: &impl Consumer<C>,
+        mode: CommitMode,
+    ) -> Result<bool, SinkError> {
+        loop {
+            if self.flush(consumer, mode).await? && self.pending.is_none() {
+                return Ok(true);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Ok(false);
+            }
+            let wait = self.next_flush_attempt.saturating_duration_since(now).min(deadline - now);
+            tokio::time::sleep(wait.max(Duration::from_millis(10))).await;
+        }
+    }
+
+    /// Commits the offsets a durable flush allows, for the partitions still ours.
+    fn commit<C: ConsumerContext>(&self, consumer: &impl Consumer<C>, commits: &BTreeMap<i32, i64>, mode: CommitMode) {
+        let mut tpl = TopicPartitionList::new();
+        for (&p, &offset) in commits {
+            if self.assigned.contains(&p) {
+                let _ = tpl.add_partition_offset(&self.topic, p, Offset::Offset(offset));
+            }
+        }
+        if tpl.count() == 0 {
+            return;
+        }
+        match consumer.commit(&tpl, mode) {
+            Ok(()) => {
+                for (&p, &offset) in commits {
+                    if self.assigned.contains(&p) {
+                        metrics::gauge!(t::COMMITTED_OFFSET, "partition" => p.to_string()).set(offset as f64);
+                    }
+                }
+                debug!(?commits, "committed");
+            }
+            Err(e) => {
+                // Harmless for correctness: the next commit covers it, or the batch is re-read.
+                metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
+                warn!(error = %e, "offset commit failed");
+            }
+        }
+    }
+
+    /// Called when the drain failed: later revocations must not write or commit.
+    pub fn abandon(&mut self) {
+        self.abandoned = true;
+    }
+}
+
+impl Flush {
+    /// Combines two cuts into one flush: once all rows are durable, every commit holds
+    /// (the later cut's commits win for the partitions they name).
+    pub fn merge(&mut self, later: Flush) {
+        self.rows.extend(later.rows);
+        self.commits.extend(later.commits);
+    }
+}
+
+async fn sleep_or_shutdown(d: Duration, shutdown: &CancellationToken) -> Result<(), Interrupted> {
+    tokio::select! {
+        _ = shutdown.cancelled() => Err(Interrupted::Shutdown),
+        _ = tokio::time::sleep(d) => Ok(()),
+    }
+}
+
+/// The consumer context: routes librdkafka's logs, errors, statistics and rebalance
+/// callbacks into the pipeline.
+pub struct GroupContext {
+    stages: Arc<Mutex<Stages>>,
+    topic: String,
+    runtime: Handle,
+}
+
+impl GroupContext {
+    fn with_stages<R>(&self, f: impl AsyncFnOnce(&mut Stages) -> R) -> R {
+        // Callbacks run inside the loop's poll of the consumer, when the loop holds no
+        // lock; flushing needs async I/O, so block this worker thread on it.
+        tokio::task::block_in_place(|| {
+            self.runtime.block_on(async {
+                let mut stages = self.stages.lock().await;
+                f(&mut stages).await
+            })
+        })
+    }
+
+    fn partitions_of(&self, tpl: &TopicPartitionList) -> Vec<i32> {
+        tpl.elements().iter().filter(|e| e.topic() == self.topic).map(|e| e.partition()).collect()
+    }
+}
+
+impl ClientContext for GroupContext {
+    fn stats(&self, stats: Statistics) {
+        let Some(topic) = stats.topics.get(&self.topic) else { return };
+        for (id, p) in &topic.partitions {
+            if *id < 0 || p.consumer_lag < 0 {
+                continue;
+            }
+            metrics::gauge!(t::CONSUMER_LAG, "partition" => id.to_string()).set(p.consumer_lag as f64);
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        metrics::counter!(t::KAFKA_ERRORS, "op" => "client").increment(1);
+        warn!(error = %error, reason, "kafka client error");
+    }
+}
+
+impl ConsumerContext for GroupContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                let partitions = self.partitions_of(tpl);
+                let lost = consumer.assignment_lost();
+                metrics::counter!(t::REBALANCES, "kind" => "revoke").increment(1);
+                info!(?partitions, lost, "partitions revoked");
+                self.with_stages(async |s| s.revoke(consumer, &partitions, lost).await);
+            }
+            Rebalance::Assign(_) => {}
+            Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
+        }
+    }
+
+    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(tpl) = rebalance {
+            let partitions = self.partitions_of(tpl);
+            metrics::counter!(t::REBALANCES, "kind" => "assign").increment(1);
+            info!(?partitions, "partitions assigned");
+            self.with_stages(async |s| s.assign(&partitions));
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
+            warn!(error = %e, "offset commit failed");
+        }
+    }
+}
+
+/// Everything a member needs that is built before the loop starts.
+pub struct Member {
+    pub settings: Settings,
+    pub health: Arc<Health>,
+}
+
+impl Member {
+    /// Connects, checks the stored batch size, joins the group and runs the loop until
+    /// `shutdown`; then flushes, commits and leaves within the drain timeout.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
+        let s = &self.settings;
+        let sink = Sink::new(&s.clickhouse);
+        wait_for_clickhouse(&sink, s.pipeline.max_backoff, &shutdown).await?;
+        sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
+        check_topic_not_recreated(s, &sink).await?;
+        self.health.set_clickhouse(true);
+
+        let dedup = Dedup::new(s.redis_client()?, s.redis.key_prefix.clone(), s.redis.dedup_ttl, s.redis.timeout);
+        let dead_letters = if s.dead_letter.enabled {
+            let topic = s.dead_letter_topic();
+            source::ensure_topic(&s.kafka, &topic, 1).await?;
+            Some(DeadLetters::new(&s.kafka, topic, "run")?)
+        } else {
+            None
+        };
+        let stages = Arc::new(Mutex::new(Stages::new(
+            StagesConfig::from_settings(s),
+            dedup,
+            dead_letters,
+            sink,
+            self.health.clone(),
+        )));
+        let context = GroupContext { stages: stages.clone(), topic: s.kafka.topic.clone(), runtime: Handle::current() };
+        let consumer: StreamConsumer<GroupContext> = source::group_consumer_config(&s.kafka).create_with_context(context)?;
+        consumer.subscribe(&[s.kafka.topic.as_str()])?;
+        info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
+
+        let exit = consume(&consumer, &stages, s, &shutdown).await;
+        let exit = match exit {
+            Ok(()) => drain(&consumer, &stages, s.pipeline.drain_timeout).await,
+            Err(e) => {
+                // Fatal: do not write or commit anything more on the way out.
+                stages.lock().await.abandon();
+                Err(e)
+            }
+        };
+        // Dropping the consumer leaves the group; the revoke callback runs in here.
+        drop(consumer);
+        let totals = stages.lock().await.totals;
+        info!(?totals, "member stopped");
+        exit
+    }
+}
+
+async fn consume(
+    consumer: &StreamConsumer<GroupContext>,
+    stages: &Mutex<Stages>,
+    s: &Settings,
+    shutdown: &CancellationToken,
+) -> Result<(), PipelineError> {
+    let max_records = s.pipeline.max_poll_records;
+    let max_unflushed = s.pipeline.max_unflushed_buckets;
+    let mut stream = consumer.stream();
+    let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut paused = false;
+    let kafka_log = RateLimiter::new(Duration::from_secs(5));
+
+    loop {
+        // Backpressure: while ClickHouse cannot take the rows, stop fetching but keep
+        // polling, so the member stays in the group and rebalances are served.
+        {
+            let st = stages.lock().await;
+            let over = st.unflushed_buckets() >= max_unflushed;
+            if over != paused {
+                let assignment = consumer.assignment()?;
+                if over {
+                    consumer.pause(&assignment)?;
+                    warn!(unflushed_buckets = st.unflushed_buckets(), "pausing consumption until ClickHouse takes the backlog");
+                } else {
+                    consumer.resume(&assignment)?;
+                    info!("resuming consumption");
+                }
+                paused = over;
+                metrics::gauge!(t::PAUSED).set(if paused { 1.0 } else { 0.0 });
+            }
+        }
+
+        tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = ticker.tick() => {
+                let mut st = stages.lock().await;
+                st.flush(consumer, CommitMode::Async).await?;
+            }
+            next = stream.next() => {
+                let mut records = Vec::with_capacity(max_records);
+                let mut pending = next;
+                loop {
+                    match pending {
+                        Some(Ok(msg)) => {
+                            let limits = stages.lock().await.limits().clone();
+                            records.push(Record::decode(&msg, &limits));
+                        }
+                        Some(Err(e)) => {
+                            metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
+                            if kafka_log.allow("consume", Instant::now()).is_some() {
+                                warn!(error = %e, "kafka consume error");
+                            }
+                            break;
+                        }
+                        None => break,
+                    }
+                    if records.len() >= max_records {
+                        break;
+                    }
+                    match stream.next().now_or_never() {
+                        Some(n) => pending = n,
+                        None => break,
+                    }
+                }
+                if records.is_empty() {
+                    continue;
+                }
+                let mut st = stages.lock().await;
+                match st.process(consumer, records, shutdown).await {
+                    Ok(_) => {}
+                    Err(Interrupted::Shutdown) => return Ok(()),
+                    Err(Interrupted::Fatal(e)) => return Err(e),
+                }
+                if st.has_complete_batches() {
+                    st.flush(consumer, CommitMode::Async).await?;
+                }
+            }
+        }
+    }
+}
+
+/// Final flush and synchronous commit. Past the drain timeout, nothing more is written
+/// or committed and the exit is reported as [`Exit::DrainTimedOut`].
+async fn drain(consumer: &StreamConsumer<GroupContext>, stages: &Mutex<Stages>, timeout: Duration) -> Result<Exit, PipelineError> {
+    let deadline = Instant::now() + timeout;
+    let mut st = stages.lock().await;
+    info!(unflushed_buckets = st.unflushed_buckets(), "draining: final flush and commit");
+    match st.flush_until(deadline, consumer, CommitMode::Sync).await {
+        Ok(true) => Ok(Exit::Drained),
+        Ok(false) => {
+            error!(timeout_ms = timeout.as_millis() as u64, "drain timed out; leaving without committing unflushed work");
+            st.abandon();
+            Ok(Exit::DrainTimedOut)
+        }
+        Err(e) => {
+            st.abandon();
+            Err(e.into())
+        }
+    }
+}
+
+/// At startup ClickHouse may still be coming up: wait with backoff (a fatal error such
+/// as a wrong password ends the wait at once).
+async fn wait_for_clickhouse(sink: &Sink, max_backoff: Duration, shutdown: &CancellationToken) -> Result<(), PipelineError> {
+    let mut backoff = Backoff::new(max_backoff);
+    loop {
+        match sink.ping().await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_fatal() => return Err(e.into()),
+            Err(e) => {
+                warn!(error = %e, "waiting for ClickHouse");
+                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
+                    return Err(PipelineError::Startup("shut down while waiting for ClickHouse".into()));
+                }
+            }
+        }
+    }
+}
+
+/// Refuses to write a topic whose offsets are behind the batches already stored for it:
+/// the topic was deleted and recreated, and its new offsets would reuse old batch IDs.
+async fn check_topic_not_recreated(s: &Settings, sink: &Sink) -> Result<(), PipelineError> {
+    let stored = sink.max_batch_start(&s.kafka.topic).await?;
+    if stored.is_empty() {
+        return Ok(());
+    }
+    let k = s.kafka.clone();
+    let topic = s.kafka.topic.clone();
+    let marks = tokio::task::spawn_blocking(move || -> Result<Vec<(i32, i64)>, KafkaError> {
+        let c = source::lookup_consumer(&k)?;
+        let mut out = Vec::new();
+        for p in source::partitions(&c, &topic, Duration::from_secs(10))? {
+            out.push((p, c.fetch_watermarks(&topic, p, Duration::from_secs(10))?.1));
+        }
+        Ok(out)
+    })
+    .await
+    .map_err(|e| PipelineError::Startup(e.to_string()))?;
+    let marks = match marks {
+        Ok(m) => m,
+        // The topic may not exist yet (auto-created on first produce): nothing to compare.
+        Err(_) => return Ok(()),
+    };
+    for (p, high) in marks {
+        if let Some(&start) = stored.get(&p) {
+            if start > high {
+                return Err(PipelineError::Startup(format!(
+                    "ClickHouse holds batch {start} of {}/{p}, but the partition's log ends at offset {high}: \
+                     the topic looks deleted and recreated, and its new offsets would overwrite old batches. \
+                     Write the new topic into another database (clickhouse.database) or under another topic name.",
+                    s.kafka.topic
+                )));
+            }
+        }
+    }
+    Ok(())
+}

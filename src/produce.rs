@@ -1,0 +1,409 @@
+//! `clickagg produce`: a seeded load generator that writes click events to Kafka and
+//! the ground truth (distinct valid clicks per ad per minute) to a file.
+//!
+//! The plan is pure ([`plan`]): the same seed and options give the same records in the
+//! same order, so a failing test can be reproduced. Each record is one of:
+//!
+//! - a **new click** for an ad drawn from a Zipf distribution (a few hot ads, a long
+//!   tail), event time a little before its send time — or, for *late* clicks, minutes
+//!   before, so it lands in a minute whose other clicks went by long ago;
+//! - a **duplicate**: the same click sent again, usually right after (a producer retry),
+//!   sometimes much later (a redelivery from the ad server's outbox);
+//! - a **malformed** record of one of the classes the pipeline dead-letters.
+//!
+//! Records are keyed by `click_id`, so a click and its duplicates share a partition, as
+//! they do when an ad server retries. The Kafka record timestamp is set explicitly to
+//! the simulated send time, so lateness is judged the same way on every replay.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use rand_distr::{Distribution, Zipf};
+use rdkafka::client::ClientContext;
+use rdkafka::message::DeliveryResult;
+use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
+use rdkafka::types::RDKafkaErrorCode;
+use rdkafka::error::KafkaError;
+
+use crate::aggregate::BucketKey;
+use crate::click::{Minute, RejectReason};
+use crate::config::KafkaSettings;
+use crate::source;
+
+/// What to generate (the flags of `clickagg produce`).
+#[derive(Debug, Clone)]
+pub struct Spec {
+    /// Records to send, duplicates and malformed ones included.
+    pub count: u64,
+    pub seed: u64,
+    /// Number of distinct ads; popularity follows Zipf(`zipf_exponent`).
+    pub ads: u64,
+    pub zipf_exponent: f64,
+    /// Fraction of records that repeat an earlier click.
+    pub duplicate_ratio: f64,
+    /// Fraction of new clicks whose event time is minutes behind their send time.
+    pub late_ratio: f64,
+    /// Fraction of records that are invalid.
+    pub malformed_ratio: f64,
+    /// Event time of the first record (ms); send times spread over `span` from there.
+    pub start_ms: i64,
+    pub span: Duration,
+}
+
+impl Default for Spec {
+    fn default() -> Self {
+        Spec {
+            count: 100_000,
+            seed: 42,
+            ads: 1_000,
+            zipf_exponent: 1.1,
+            duplicate_ratio: 0.1,
+            late_ratio: 0.02,
+            malformed_ratio: 0.01,
+            start_ms: 0,
+            span: Duration::from_secs(600),
+        }
+    }
+}
+
+/// One record to send.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Planned {
+    pub key: String,
+    pub payload: Vec<u8>,
+    /// The Kafka record timestamp (the simulated send time).
+    pub timestamp_ms: i64,
+    pub kind: Kind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Click,
+    LateClick,
+    Duplicate,
+    Malformed(RejectReason),
+}
+
+/// The ground truth and what was generated.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Truth {
+    pub counts: BTreeMap<BucketKey, u64>,
+    pub clicks: u64,
+    pub late: u64,
+    pub duplicates: u64,
+    pub malformed: BTreeMap<RejectReason, u64>,
+}
+
+impl Truth {
+    pub fn malformed_total(&self) -> u64 {
+        self.malformed.values().sum()
+    }
+
+    /// Writes `ad_id,minute,clicks` (minute in RFC 3339, UTC) with a header line.
+    pub fn write_csv(&self, path: &Path) -> std::io::Result<()> {
+        let mut out = std::io::BufWriter::new(std::fs::File::create(path)?);
+        writeln!(out, "ad_id,minute,clicks")?;
+        for (k, c) in &self.counts {
+            writeln!(out, "{},{},{}", k.ad_id, k.minute.to_rfc3339(), c)?;
+        }
+        out.flush()
+    }
+
+    pub fn read_csv(path: &Path) -> Result<BTreeMap<BucketKey, u64>, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut counts = BTreeMap::new();
+        for (i, line) in text.lines().enumerate().skip(1) {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let bad = || format!("{}:{}: expected ad_id,minute,clicks, got {line:?}", path.display(), i + 1);
+            let mut f = line.split(',');
+            let (Some(ad), Some(minute), Some(clicks), None) = (f.next(), f.next(), f.next(), f.next()) else {
+                return Err(bad());
+            };
+            let ad_id: u64 = ad.trim().parse().map_err(|_| bad())?;
+            let ts = chrono::DateTime::parse_from_rfc3339(minute.trim()).map_err(|_| bad())?;
+            let minute = Minute::from_millis(ts.timestamp_millis()).ok_or_else(bad)?;
+            let clicks: u64 = clicks.trim().parse().map_err(|_| bad())?;
+            *counts.entry(BucketKey { ad_id, minute }).or_default() += clicks;
+        }
+        Ok(counts)
+    }
+
+    pub fn summary(&self) -> String {
+        let malformed: Vec<String> = self.malformed.iter().map(|(r, n)| format!("{r}={n}")).collect();
+        format!(
+            "{} distinct clicks ({} late) in {} ad-minutes, {} duplicates, {} malformed [{}]",
+            self.clicks,
+            self.late,
+            self.counts.len(),
+            self.duplicates,
+            self.malformed_total(),
+            malformed.join(" ")
+        )
+    }
+}
+
+/// The malformed classes the generator cycles through.
+const MALFORMED: &[RejectReason] = &[
+    RejectReason::MalformedJson,
+    RejectReason::MissingField,
+    RejectReason::WrongType,
+    RejectReason::EmptyClickId,
+    RejectReason::ClickIdTooLong,
+    RejectReason::NotUtf8,
+    RejectReason::TimestampAhead,
+    RejectReason::TimestampBehind,
+    RejectReason::EmptyPayload,
+];
+
+fn click_id(rng: &mut StdRng) -> String {
+    let a: u64 = rng.random();
+    let b: u64 = rng.random();
+    // UUID-shaped (36 bytes), like the IDs ad servers usually send.
+    format!(
+        "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
+        a >> 32,
+        (a >> 16) & 0xffff,
+        a & 0xfff,
+        (b >> 48) & 0x3fff | 0x8000,
+        b & 0xffff_ffff_ffff
+    )
+}
+
+fn click_json(id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
+    // Alternate the two timestamp encodings and add an extra field the pipeline ignores.
+    if rng.random_bool(0.5) {
+        format!(r#"{{"click_id":"{id}","ad_id":{ad_id},"ts":{ts_ms},"placement":"feed"}}"#).into_bytes()
+    } else {
+        let ts = chrono::DateTime::from_timestamp_millis(ts_ms).expect("valid").format("%Y-%m-%dT%H:%M:%S%.3fZ");
+        format!(r#"{{"click_id":"{id}","ad_id":{ad_id},"ts":"{ts}","ua":"Mozilla/5.0"}}"#).into_bytes()
+    }
+}
+
+fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> Vec<u8> {
+    let id = click_id(rng);
+    match reason {
+        RejectReason::MalformedJson => format!(r#"{{"click_id":"{id}","ad_id":12,"ts":"#).into_bytes(),
+        RejectReason::MissingField => format!(r#"{{"click_id":"{id}","ts":{send_ms}}}"#).into_bytes(),
+        RejectReason::WrongType => format!(r#"{{"click_id":"{id}","ad_id":"twelve","ts":{send_ms}}}"#).into_bytes(),
+        RejectReason::EmptyClickId => format!(r#"{{"click_id":"","ad_id":12,"ts":{send_ms}}}"#).into_bytes(),
+        RejectReason::ClickIdTooLong => {
+            format!(r#"{{"click_id":"{}","ad_id":12,"ts":{send_ms}}}"#, "x".repeat(300)).into_bytes()
+        }
+        RejectReason::NotUtf8 => {
+            let mut b = format!(r#"{{"click_id":"{id}"#).into_bytes();
+            b.extend_from_slice(&[0xff, 0xfe]);
+            b.extend_from_slice(format!(r#"","ad_id":12,"ts":{send_ms}}}"#).as_bytes());
+            b
+        }
+        // A day ahead of / a month behind the record timestamp: beyond any sane limit.
+        RejectReason::TimestampAhead => {
+            format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, send_ms + 86_400_000).into_bytes()
+        }
+        RejectReason::TimestampBehind => {
+            format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, send_ms - 30 * 86_400_000).into_bytes()
+        }
+        RejectReason::EmptyPayload => Vec::new(),
+        other => unreachable!("the generator does not make {other}"),
+    }
+}
+
+/// The records to send, in order, and the ground truth they imply.
+pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
+    let mut rng = StdRng::seed_from_u64(spec.seed);
+    let zipf = Zipf::new(spec.ads.max(1) as f64, spec.zipf_exponent).expect("valid Zipf parameters");
+    let mut truth = Truth::default();
+    let mut sent: Vec<(String, u64, i64)> = Vec::new();
+    let mut records = Vec::with_capacity(spec.count as usize);
+    let span_ms = spec.span.as_millis() as i64;
+    let mut malformed_i = 0usize;
+
+    for i in 0..spec.count {
+        let send_ms = spec.start_ms + (i as i64 * span_ms) / spec.count.max(1) as i64;
+        let roll: f64 = rng.random();
+        if roll < spec.malformed_ratio {
+            let reason = MALFORMED[malformed_i % MALFORMED.len()];
+            malformed_i += 1;
+            *truth.malformed.entry(reason).or_default() += 1;
+            let payload = malformed(reason, send_ms, &mut rng);
+            records.push(Planned { key: format!("bad-{i}"), payload, timestamp_ms: send_ms, kind: Kind::Malformed(reason) });
+        } else if roll < spec.malformed_ratio + spec.duplicate_ratio && !sent.is_empty() {
+            // Mostly a quick retry of a recent click; sometimes a much older one.
+            let idx = if rng.random_bool(0.7) {
+                sent.len() - 1 - rng.random_range(0..sent.len().min(50))
+            } else {
+                rng.random_range(0..sent.len())
+            };
+            let (id, ad_id, ts) = sent[idx].clone();
+            truth.duplicates += 1;
+            let payload = click_json(&id, ad_id, ts, &mut rng);
+            records.push(Planned { key: id, payload, timestamp_ms: send_ms, kind: Kind::Duplicate });
+        } else {
+            let id = click_id(&mut rng);
+            let ad_id = zipf.sample(&mut rng) as u64;
+            let late = rng.random_bool(spec.late_ratio);
+            let delay_ms = if late { rng.random_range(60_000..20 * 60_000) } else { rng.random_range(0..2_000) };
+            let ts = send_ms - delay_ms;
+            let minute = Minute::from_millis(ts).expect("generated timestamps are after 1970");
+            *truth.counts.entry(BucketKey { ad_id, minute }).or_default() += 1;
+            truth.clicks += 1;
+            truth.late += u64::from(late);
+            let payload = click_json(&id, ad_id, ts, &mut rng);
+            records.push(Planned {
+                key: id.clone(),
+                payload,
+                timestamp_ms: send_ms,
+                kind: if late { Kind::LateClick } else { Kind::Click },
+            });
+            sent.push((id, ad_id, ts));
+        }
+    }
+    (records, truth)
+}
+
+/// Counts delivery failures; the generator fails if any record was not acknowledged,
+/// since the ground truth would then be wrong.
+#[derive(Default, Clone)]
+struct Deliveries {
+    failed: Arc<AtomicU64>,
+}
+
+impl ClientContext for Deliveries {}
+
+impl ProducerContext for Deliveries {
+    type DeliveryOpaque = ();
+    fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
+        if result.is_err() {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Sends `records` to `topic` (created with `partitions` partitions if missing), at
+/// most `rate` records per second when given. Returns once every record is acknowledged.
+pub async fn send(
+    k: &KafkaSettings,
+    topic: &str,
+    partitions: i32,
+    records: &[Planned],
+    rate: Option<u64>,
+    mut progress: impl FnMut(u64),
+) -> Result<(), KafkaError> {
+    source::ensure_topic(k, topic, partitions).await?;
+    let deliveries = Deliveries::default();
+    let producer: ThreadedProducer<Deliveries> =
+        source::producer_config(k).set("queue.buffering.max.messages", "500000").create_with_context(deliveries.clone())?;
+    let started = Instant::now();
+    for (i, r) in records.iter().enumerate() {
+        if let Some(rate) = rate.filter(|r| *r > 0) {
+            let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+            let now = Instant::now();
+            if due > now {
+                tokio::time::sleep(due - now).await;
+            }
+        }
+        let mut record = BaseRecord::to(topic).key(r.key.as_bytes()).timestamp(r.timestamp_ms);
+        if !r.payload.is_empty() {
+            record = record.payload(r.payload.as_slice());
+        }
+        let mut record = record;
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => return Err(e),
+            }
+        }
+        if i % 10_000 == 0 {
+            progress(i as u64);
+        }
+    }
+    let flush = producer.clone();
+    tokio::task::spawn_blocking(move || flush.flush(Duration::from_secs(120)))
+        .await
+        .expect("flush task")?;
+    progress(records.len() as u64);
+    let failed = deliveries.failed.load(Ordering::Relaxed);
+    if failed > 0 {
+        return Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fail)).inspect_err(|_| {
+            tracing::error!(failed, "records were not acknowledged by the broker; the ground truth is void");
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::click::{decode, Limits};
+    use std::collections::HashSet;
+
+    fn spec() -> Spec {
+        Spec { count: 20_000, start_ms: 1_764_489_600_000, ..Spec::default() }
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_records() {
+        assert_eq!(plan(&spec()).0, plan(&spec()).0);
+        assert_ne!(plan(&spec()).0, plan(&Spec { seed: 7, ..spec() }).0);
+    }
+
+    /// The ground truth is what an exact pipeline would count: decode every record as
+    /// the pipeline does, keep the first sighting of each click ID.
+    #[test]
+    fn the_truth_equals_an_independent_recount_of_the_records() {
+        let (records, truth) = plan(&spec());
+        let mut seen = HashSet::new();
+        let mut recount: BTreeMap<BucketKey, u64> = BTreeMap::new();
+        let mut rejected = 0;
+        for r in &records {
+            let payload = (!r.payload.is_empty()).then_some(r.payload.as_slice());
+            match decode(payload, Some(r.timestamp_ms), &Limits::default()) {
+                Ok(c) => {
+                    if seen.insert(c.click_id.clone()) {
+                        *recount.entry(BucketKey { ad_id: c.ad_id, minute: c.minute }).or_default() += 1;
+                    }
+                }
+                Err(rej) => {
+                    assert!(matches!(r.kind, Kind::Malformed(reason) if reason == rej.reason), "{:?} vs {rej}", r.kind);
+                    rejected += 1;
+                }
+            }
+        }
+        assert_eq!(recount, truth.counts);
+        assert_eq!(rejected, truth.malformed_total());
+        assert_eq!(truth.clicks + truth.duplicates + truth.malformed_total(), records.len() as u64);
+        assert!(truth.duplicates > 1_500 && truth.late > 100, "{}", truth.summary());
+    }
+
+    #[test]
+    fn popularity_is_skewed() {
+        let (_, truth) = plan(&spec());
+        let mut per_ad: BTreeMap<u64, u64> = BTreeMap::new();
+        for (k, c) in &truth.counts {
+            *per_ad.entry(k.ad_id).or_default() += c;
+        }
+        let top = per_ad.get(&1).copied().unwrap_or(0);
+        let median_ad = per_ad.get(&500).copied().unwrap_or(0);
+        assert!(top > 20 * median_ad.max(1), "ad 1: {top}, ad 500: {median_ad}");
+    }
+
+    #[test]
+    fn truth_round_trips_through_csv() {
+        let (_, truth) = plan(&Spec { count: 2_000, ..spec() });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("truth.csv");
+        truth.write_csv(&path).unwrap();
+        assert_eq!(Truth::read_csv(&path).unwrap(), truth.counts);
+    }
+}

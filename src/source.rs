@@ -1,0 +1,225 @@
+//! The Kafka side: client configuration (security settings passed through), turning
+//! consumed messages into decoded [`Record`]s, and the admin look-ups (topics,
+//! watermarks, offsets for times) that `run`, `produce` and `replay` share.
+//!
+//! Delivery guarantee: at-least-once. `enable.auto.commit` is off; the pipeline commits
+//! explicit offsets, and only batch boundaries behind durable flushes. Everything after
+//! the committed offset may be read again, which the owner-token dedup and the
+//! versioned rows make harmless.
+
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::click::{decode, Click, Limits, Rejection};
+use crate::config::KafkaSettings;
+
+/// One consumed record, decoded. Only rejected records keep their raw bytes (for the
+/// dead-letter topic); valid ones keep just what the pipeline needs.
+#[derive(Debug)]
+pub struct Record {
+    pub partition: i32,
+    pub offset: i64,
+    pub timestamp_ms: Option<i64>,
+    pub outcome: Result<Click, Box<Rejected>>,
+}
+
+/// A rejected record with everything the dead letter must carry.
+#[derive(Debug, Clone)]
+pub struct Rejected {
+    pub rejection: Rejection,
+    pub payload: Option<Vec<u8>>,
+    pub key: Option<Vec<u8>>,
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl Record {
+    pub fn decode(msg: &BorrowedMessage<'_>, limits: &Limits) -> Record {
+        let timestamp_ms = msg.timestamp().to_millis();
+        let outcome = decode(msg.payload(), timestamp_ms, limits).map_err(|rejection| {
+            let headers = msg
+                .headers()
+                .map(|hs| hs.iter().map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec())).collect())
+                .unwrap_or_default();
+            Box::new(Rejected {
+                rejection,
+                payload: msg.payload().map(<[u8]>::to_vec),
+                key: msg.key().map(<[u8]>::to_vec),
+                headers,
+            })
+        });
+        Record { partition: msg.partition(), offset: msg.offset(), timestamp_ms, outcome }
+    }
+}
+
+/// Settings common to every client: brokers, security and pass-through properties.
+pub fn client_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &k.brokers);
+    if let Some(v) = &k.security_protocol {
+        c.set("security.protocol", v.to_ascii_lowercase());
+    }
+    if let Some(v) = &k.sasl_mechanism {
+        c.set("sasl.mechanism", v);
+    }
+    if let Some(v) = &k.sasl_username {
+        c.set("sasl.username", v);
+    }
+    if let Some(v) = &k.sasl_password {
+        c.set("sasl.password", v.expose());
+    }
+    if let Some(v) = &k.ssl_ca_location {
+        c.set("ssl.ca.location", v.display().to_string());
+    }
+    if let Some(v) = &k.ssl_certificate_location {
+        c.set("ssl.certificate.location", v.display().to_string());
+    }
+    if let Some(v) = &k.ssl_key_location {
+        c.set("ssl.key.location", v.display().to_string());
+    }
+    if let Some(v) = &k.ssl_key_password {
+        c.set("ssl.key.password", v.expose());
+    }
+    for (key, value) in &k.properties {
+        c.set(key, value.expose());
+    }
+    c
+}
+
+/// A group consumer for `clickagg run`.
+pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = client_config(k);
+    c.set("group.id", &k.group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        // Cooperative rebalancing moves only the partitions that change owner; the
+        // others keep their open batches.
+        .set("partition.assignment.strategy", "cooperative-sticky")
+        .set("session.timeout.ms", k.session_timeout.as_millis().to_string())
+        .set("max.poll.interval.ms", k.max_poll_interval.as_millis().to_string())
+        // Bounds librdkafka's prefetch: memory stays flat when ClickHouse is down and
+        // consumption is paused.
+        .set("queued.max.messages.kbytes", "16384")
+        .set("statistics.interval.ms", "5000")
+        .set("client.id", "clickagg");
+    if let Some(id) = &k.group_instance_id {
+        c.set("group.instance.id", id);
+    }
+    // Re-apply pass-through properties: an operator's explicit choice wins over ours.
+    for (key, value) in &k.properties {
+        c.set(key, value.expose());
+    }
+    c
+}
+
+/// A consumer without a group protocol, for direct assignment (`replay`, `reconcile`).
+pub fn assigned_consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
+    let mut c = client_config(k);
+    c.set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest")
+        .set("queued.max.messages.kbytes", "65536")
+        .set("fetch.message.max.bytes", "4194304")
+        .set("client.id", "clickagg-replay");
+    for (key, value) in &k.properties {
+        c.set(key, value.expose());
+    }
+    c
+}
+
+pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
+    let mut c = client_config(k);
+    c.set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "5")
+        .set("compression.type", "lz4")
+        .set("client.id", "clickagg-producer");
+    for (key, value) in &k.properties {
+        c.set(key, value.expose());
+    }
+    c
+}
+
+/// Creates `topic` with `partitions` partitions unless it exists.
+pub async fn ensure_topic(k: &KafkaSettings, topic: &str, partitions: i32) -> Result<(), KafkaError> {
+    let admin: AdminClient<DefaultClientContext> = client_config(k).create()?;
+    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let mut results = admin.create_topics([&new], &opts).await?;
+    match results.pop() {
+        Some(Ok(_)) | None => Ok(()),
+        Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) => Ok(()),
+        // A broker with a replication factor > 1 policy: retry with the broker default.
+        Some(Err((_, RDKafkaErrorCode::InvalidReplicationFactor))) => {
+            let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(-1));
+            match admin.create_topics([&new], &opts).await?.pop() {
+                Some(Err((_, code))) if code != RDKafkaErrorCode::TopicAlreadyExists => {
+                    Err(KafkaError::AdminOp(code))
+                }
+                _ => Ok(()),
+            }
+        }
+        Some(Err((_, code))) => Err(KafkaError::AdminOp(code)),
+    }
+}
+
+/// The partitions of `topic`, from the broker's metadata.
+pub fn partitions<C: Consumer>(consumer: &C, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
+    let md = consumer.fetch_metadata(Some(topic), timeout)?;
+    let t = md
+        .topics()
+        .iter()
+        .find(|t| t.name() == topic)
+        .ok_or(KafkaError::MetadataFetch(RDKafkaErrorCode::UnknownTopicOrPartition))?;
+    if let Some(e) = t.error() {
+        return Err(KafkaError::MetadataFetch(e.into()));
+    }
+    let mut ps: Vec<i32> = t.partitions().iter().map(|p| p.id()).collect();
+    ps.sort_unstable();
+    if ps.is_empty() {
+        return Err(KafkaError::MetadataFetch(RDKafkaErrorCode::UnknownTopicOrPartition));
+    }
+    Ok(ps)
+}
+
+/// For every partition, the first offset whose record timestamp is `>= ts_ms`
+/// (`None` when no such record exists yet).
+pub fn offsets_for_time<C: Consumer>(
+    consumer: &C,
+    topic: &str,
+    partitions: &[i32],
+    ts_ms: i64,
+    timeout: Duration,
+) -> Result<Vec<(i32, Option<i64>)>, KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    for &p in partitions {
+        tpl.add_partition_offset(topic, p, Offset::Offset(ts_ms))?;
+    }
+    let found = consumer.offsets_for_times(tpl, timeout)?;
+    Ok(found
+        .elements()
+        .iter()
+        .map(|e| {
+            let o = match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            };
+            (e.partition(), o)
+        })
+        .collect())
+}
+
+/// A throwaway consumer for metadata and watermark look-ups.
+pub fn lookup_consumer(k: &KafkaSettings) -> Result<BaseConsumer, KafkaError> {
+    let mut c = client_config(k);
+    c.set("group.id", "clickagg-lookup").set("enable.auto.commit", "false");
+    c.create()
+}

@@ -1,0 +1,118 @@
+//! Logs and metrics: the subscriber set-up, every metric name in one place, and the
+//! rate limiter that keeps a flood of bad records from flooding the logs.
+//!
+//! Labels are bounded: `partition` (the topic's partition count), `reason` (the closed
+//! set of [`RejectReason`](crate::click::RejectReason)s) and a few fixed words. Never
+//! `ad_id` or `click_id`.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tracing_subscriber::EnvFilter;
+
+use crate::config::{LogFormat, LogSettings};
+
+pub const RECORDS_CONSUMED: &str = "clickagg_records_consumed_total";
+pub const CLICKS_COUNTED: &str = "clickagg_clicks_counted_total";
+pub const DUPLICATES_DROPPED: &str = "clickagg_duplicates_dropped_total";
+pub const REDELIVERIES: &str = "clickagg_redelivered_clicks_total";
+pub const INVALID_RECORDS: &str = "clickagg_invalid_records_total";
+pub const DEAD_LETTERS: &str = "clickagg_dead_letters_produced_total";
+pub const SKIPPED_PARTIAL_BATCH: &str = "clickagg_records_skipped_partial_batch_total";
+pub const FLUSH_DURATION: &str = "clickagg_flush_duration_seconds";
+pub const FLUSHES: &str = "clickagg_flushes_total";
+pub const ROWS_FLUSHED: &str = "clickagg_rows_flushed_total";
+pub const COMMITTED_OFFSET: &str = "clickagg_committed_offset";
+pub const CONSUMER_LAG: &str = "clickagg_consumer_lag";
+pub const REBALANCES: &str = "clickagg_rebalances_total";
+pub const ASSIGNED_PARTITIONS: &str = "clickagg_assigned_partitions";
+pub const REDIS_ERRORS: &str = "clickagg_redis_errors_total";
+pub const REDIS_RETRIES: &str = "clickagg_redis_retries_total";
+pub const CLICKHOUSE_ERRORS: &str = "clickagg_clickhouse_errors_total";
+pub const CLICKHOUSE_RETRIES: &str = "clickagg_clickhouse_retries_total";
+pub const KAFKA_ERRORS: &str = "clickagg_kafka_errors_total";
+pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
+pub const PAUSED: &str = "clickagg_consumption_paused";
+
+/// Explicit flush-duration buckets, seconds: a healthy flush takes milliseconds, a
+/// struggling server seconds.
+const FLUSH_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
+
+static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
+
+/// Installs the Prometheus recorder once per process and returns its handle.
+pub fn metrics() -> PrometheusHandle {
+    PROMETHEUS
+        .get_or_init(|| {
+            PrometheusBuilder::new()
+                .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.to_string()), FLUSH_BUCKETS)
+                .expect("buckets are not empty")
+                .install_recorder()
+                .expect("the Prometheus recorder is installed once")
+        })
+        .clone()
+}
+
+/// Installs the tracing subscriber: `RUST_LOG` if set, else the configured filter.
+pub fn init_logs(settings: &LogSettings) {
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&settings.filter))
+        .unwrap_or_else(|_| EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // A second call (tests run several commands in one process) keeps the first subscriber.
+    let _ = match settings.format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
+    };
+}
+
+/// Lets one log line per key through per interval and counts the rest, so a topic full
+/// of garbage produces a summary every few seconds instead of a line per record.
+pub struct RateLimiter {
+    interval: Duration,
+    state: Mutex<HashMap<&'static str, (Instant, u64)>>,
+}
+
+impl RateLimiter {
+    pub fn new(interval: Duration) -> RateLimiter {
+        RateLimiter { interval, state: Mutex::new(HashMap::new()) }
+    }
+
+    /// `Some(suppressed)` when a line for `key` may be logged now, with the number of
+    /// lines suppressed since the last one.
+    pub fn allow(&self, key: &'static str, now: Instant) -> Option<u64> {
+        let mut state = self.state.lock().expect("not poisoned");
+        match state.get_mut(key) {
+            Some((last, suppressed)) if now.duration_since(*last) < self.interval => {
+                *suppressed += 1;
+                None
+            }
+            Some((last, suppressed)) => {
+                *last = now;
+                Some(std::mem::take(suppressed))
+            }
+            None => {
+                state.insert(key, (now, 0));
+                Some(0)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rate_limiter_lets_one_line_through_per_interval_and_counts_the_rest() {
+        let rl = RateLimiter::new(Duration::from_secs(5));
+        let t0 = Instant::now();
+        assert_eq!(rl.allow("a", t0), Some(0));
+        assert_eq!(rl.allow("a", t0 + Duration::from_secs(1)), None);
+        assert_eq!(rl.allow("a", t0 + Duration::from_secs(2)), None);
+        assert_eq!(rl.allow("b", t0 + Duration::from_secs(2)), Some(0));
+        assert_eq!(rl.allow("a", t0 + Duration::from_secs(6)), Some(2));
+    }
+}
