@@ -162,6 +162,7 @@ impl Sink {
         if rows.is_empty() {
             return Ok(());
         }
+        tracing::debug!(rows = rows.len(), "flushing");
         let write = async {
             let mut insert = self.client.insert::<RowOut>(TABLE).await?;
             for r in rows {

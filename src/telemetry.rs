@@ -60,7 +60,11 @@ pub fn init_logs(settings: &LogSettings) {
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&settings.filter))
         .unwrap_or_else(|_| EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     // A second call (tests run several commands in one process) keeps the first subscriber.
     let _ = match settings.format {
         LogFormat::Human => builder.try_init(),

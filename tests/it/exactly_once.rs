@@ -1,0 +1,126 @@
+//! The promise: every valid click counted exactly once, whatever fails.
+
+use std::time::Duration;
+
+use clickagg::produce::Spec;
+use rand::Rng;
+use rdkafka::Offset;
+
+use crate::helpers::TestEnv;
+
+const CONVERGE: Duration = Duration::from_secs(180);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundred_thousand_clicks_with_ten_percent_duplicates_count_exactly() {
+    let env = TestEnv::new("exact100k").await;
+    let (records, truth) = env.plan(Spec { count: 100_000, duplicate_ratio: 0.1, seed: 1, ..Spec::default() });
+    assert!(truth.duplicates > 9_000, "{}", truth.summary());
+    env.send(&records, 4, None).await;
+
+    let mut member = env.spawn_member("m0");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.metric("clickagg_duplicates_dropped_total", &[]) as u64, truth.duplicates);
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0, "SIGTERM drains and exits 0");
+
+    // Offsets were committed behind the flushes: batch boundaries, never past the log end.
+    let high = env.high_watermarks();
+    for (p, committed) in env.committed_offsets() {
+        assert_eq!(committed % env.batch_offsets as i64, 0, "partition {p} committed {committed}");
+        assert!(committed <= high[&p] && committed > 0, "partition {p}: committed {committed}, high {}", high[&p]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_killed_with_sigkill_mid_stream_and_mid_flush_count_exactly() {
+    let env = TestEnv::new("sigkill").await;
+    let (records, truth) = env.plan(Spec { count: 150_000, seed: 2, ..Spec::default() });
+    // Produce while the members consume, so every kill lands mid-stream.
+    let producer = {
+        let settings = env.settings();
+        let topic = env.topic.clone();
+        let records = records.clone();
+        tokio::spawn(async move {
+            clickagg::produce::send(&settings.kafka, &topic, 4, &records, Some(15_000), |_| {}).await.unwrap()
+        })
+    };
+    // Static membership: a restarted member takes its partitions back at once.
+    let extra = [("CLICKAGG__KAFKA__GROUP_INSTANCE_ID", "member-0")];
+    let mut kills_during_flush = 0;
+    for round in 0..6 {
+        let member_label = format!("m{round}");
+        let mut member = env.spawn(&member_label, &["run"], &extra);
+        let seen = member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+        if round % 2 == 0 {
+            // Kill as soon as a flush starts: the insert is in flight, no commit yet.
+            member.wait_for_line("\"flushing\"", seen, Duration::from_secs(30));
+            kills_during_flush += 1;
+        } else {
+            let ms = rand::rng().random_range(100..1500);
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        member.kill9();
+    }
+    assert!(kills_during_flush >= 3);
+    let mut last = env.spawn("last", &["run"], &extra);
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(last.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_members_joining_and_leaving_the_group_count_exactly() {
+    let env = TestEnv::new("rebalance").await;
+    let (records, truth) = env.plan(Spec { count: 150_000, seed: 3, ..Spec::default() });
+    let producer = {
+        let settings = env.settings();
+        let topic = env.topic.clone();
+        let records = records.clone();
+        tokio::spawn(async move {
+            clickagg::produce::send(&settings.kafka, &topic, 6, &records, Some(12_000), |_| {}).await.unwrap()
+        })
+    };
+    let mut a = env.spawn_member("a");
+    a.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut b = env.spawn_member("b");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut c = env.spawn_member("c");
+    c.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // A leaves gracefully (flush, commit, leave group); B crashes.
+    assert_eq!(a.terminate(Duration::from_secs(30)), 0);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    b.kill9();
+    let mut d = env.spawn_member("d");
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert!(a.output().contains("partitions revoked"), "a saw its partitions move");
+    assert_eq!(c.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(d.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resetting_the_group_to_the_beginning_and_consuming_again_changes_no_count() {
+    let env = TestEnv::new("reset").await;
+    let (records, truth) = env.plan(Spec { count: 50_000, seed: 4, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut first = env.spawn_member("first");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(first.terminate(Duration::from_secs(30)), 0);
+    let before = env.billing().await;
+
+    env.reset_group_offsets(Offset::Beginning);
+    assert!(env.committed_offsets().values().all(|&o| o == 0));
+    let mut second = env.spawn_member("second");
+    let deadline = std::time::Instant::now() + CONVERGE;
+    while second.metric("clickagg_records_consumed_total", &[]) < records.len() as f64 {
+        assert!(std::time::Instant::now() < deadline, "second pass did not re-read the topic");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    // Every valid click is found in Redis under its own position: counted again in its
+    // batch (same cumulative rows), never as new.
+    assert_eq!(second.metric("clickagg_redelivered_clicks_total", &[]) as u64, truth.clicks);
+    assert_eq!(second.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(env.billing().await, before);
+    env.assert_counts_converge(&truth.counts, Duration::from_secs(10)).await;
+}

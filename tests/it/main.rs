@@ -1,0 +1,6 @@
+//! Integration tests against the real Kafka, Redis and ClickHouse started by
+//! `scripts/stack up`. One binary, one module per concern; `helpers` gives each test
+//! its own topic, group, Redis prefix and ClickHouse database.
+
+mod exactly_once;
+mod helpers;
