@@ -377,7 +377,32 @@ impl Settings {
         Self::load_from_env(file, overrides, Env::prefixed("CLICKAGG__").split("__"))
     }
 
+    /// Like [`load`](Self::load), reading `CLICKAGG__…` variables from `vars` instead of
+    /// the process environment (tests, and checks of deployment files).
+    pub fn load_with_vars<'a>(
+        file: Option<&Path>,
+        overrides: Vec<Override>,
+        vars: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Settings, ConfigError> {
+        let vars: Vec<(String, String)> = vars.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let env = Env::prefixed("CLICKAGG__").split("__").filter(|_| false);
+        let mut figment_env = figment::Figment::new();
+        for (k, v) in &vars {
+            if let Some(rest) = k.strip_prefix("CLICKAGG__") {
+                let key = rest.to_ascii_lowercase().replace("__", ".");
+                // Parsed the way figment's `Env` parses values (numbers, booleans, strings).
+                let value: figment::value::Value = v.parse().expect("infallible");
+                figment_env = figment_env.merge(Serialized::default(&key, value));
+            }
+        }
+        Self::load_layers(file, overrides, env, figment_env)
+    }
+
     fn load_from_env(file: Option<&Path>, overrides: Vec<Override>, env: Env) -> Result<Settings, ConfigError> {
+        Self::load_layers(file, overrides, env, figment::Figment::new())
+    }
+
+    fn load_layers(file: Option<&Path>, overrides: Vec<Override>, env: Env, extra_env: Figment) -> Result<Settings, ConfigError> {
         // Every struct is `#[serde(default)]`, so an empty figment yields the defaults.
         let mut figment = Figment::new();
         if let Some(path) = file {
@@ -386,7 +411,7 @@ impl Settings {
             }
             figment = figment.merge(Toml::file_exact(path));
         }
-        figment = figment.merge(env);
+        figment = figment.merge(env).merge(extra_env);
         for (key, value) in overrides {
             figment = figment.merge(Serialized::default(key, value));
         }

@@ -126,6 +126,16 @@ impl Sink {
         &self.database
     }
 
+    /// The client bound to the configured database, for read-only commands (`query`).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The configured request timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     async fn timed<T>(&self, fut: impl std::future::Future<Output = clickhouse::error::Result<T>>) -> Result<T, SinkError> {
         match tokio::time::timeout(self.timeout, fut).await {
             Ok(r) => r.map_err(classify),
