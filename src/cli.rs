@@ -31,6 +31,10 @@ pub enum Command {
     Produce(ProduceArgs),
     /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 only on an exact match.
     Verify(VerifyArgs),
+    /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
+    Replay(crate::replay::ReplayArgs),
+    /// Recount distinct clicks from the topic for a time range and diff against ClickHouse.
+    Reconcile(crate::reconcile::ReconcileArgs),
     /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
     Config,
 }

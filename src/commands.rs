@@ -9,6 +9,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 use crate::cli::{Command, ProduceArgs, VerifyArgs};
+use crate::reconcile::ReconcileArgs;
+use crate::replay::ReplayArgs;
 use crate::config::Settings;
 use crate::dedup::Dedup;
 use crate::health::{self, Health};
@@ -27,6 +29,8 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Run => run(settings).await,
         Command::Produce(args) => produce(&settings, args).await,
         Command::Verify(args) => verify(&settings, args).await,
+        Command::Replay(args) => replay(&settings, args).await,
+        Command::Reconcile(args) => reconcile(&settings, args).await,
         Command::Config => {
             print!("{}", settings.to_redacted_toml());
             Ok(ExitCode::SUCCESS)
@@ -143,6 +147,21 @@ async fn verify(s: &Settings, a: VerifyArgs) -> Result<ExitCode> {
     let d = verify::diff(&expected, &actual);
     print!("{}", d.report(20));
     Ok(if d.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+async fn replay(s: &Settings, a: ReplayArgs) -> Result<ExitCode> {
+    let shutdown = CancellationToken::new();
+    cancel_on_signals(shutdown.clone());
+    let summary = crate::replay::replay(s, &a, shutdown.clone()).await?;
+    println!("{}", summary.report());
+    // Interrupted replays flushed what they read; say so with a non-zero status.
+    Ok(if shutdown.is_cancelled() { ExitCode::from(130) } else { ExitCode::SUCCESS })
+}
+
+async fn reconcile(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
+    let report = crate::reconcile::reconcile(s, &a).await?;
+    print!("{}", report.render(a.limit));
+    Ok(if report.diff.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 /// A progress bar on a terminal; hidden otherwise (logs carry progress there).

@@ -15,6 +15,8 @@
 //! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
 //! - [`pipeline`]: the one loop wiring the stages for a consumer-group member.
 //! - [`health`]: `/metrics`, `/livez`, `/readyz`.
+//! - [`replay`]: backfill by re-reading a range of the topic through the same stages.
+//! - [`reconcile`]: an independent recount of the topic, diffed against ClickHouse.
 //! - [`produce`], [`verify`]: the seeded load generator with its ground truth, and the diff.
 //! - [`cli`], [`commands`]: flags and one function per subcommand.
 //!
@@ -30,6 +32,8 @@ pub mod dedup;
 pub mod health;
 pub mod pipeline;
 pub mod produce;
+pub mod reconcile;
+pub mod replay;
 pub mod sink;
 pub mod source;
 pub mod telemetry;

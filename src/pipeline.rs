@@ -136,7 +136,11 @@ pub struct Stages {
     skip_below: HashMap<i32, i64>,
     /// Set when the drain failed: revocation then forgets state without writing.
     abandoned: bool,
+    /// `false` for `replay`, which reads by direct assignment and owns no group offsets.
+    commit_offsets: bool,
     pub totals: BatchStats,
+    /// Rows written to ClickHouse by this process.
+    pub rows_flushed: u64,
     health: Arc<Health>,
     log_limit: RateLimiter,
 }
@@ -147,6 +151,7 @@ pub struct StagesConfig {
     pub batch_offsets: BatchOffsets,
     pub max_backoff: Duration,
     pub drain_timeout: Duration,
+    pub commit_offsets: bool,
 }
 
 impl StagesConfig {
@@ -157,6 +162,7 @@ impl StagesConfig {
             batch_offsets: s.batch_offsets(),
             max_backoff: s.pipeline.max_backoff,
             drain_timeout: s.pipeline.drain_timeout,
+            commit_offsets: true,
         }
     }
 }
@@ -192,7 +198,9 @@ impl Stages {
             fresh: BTreeSet::new(),
             skip_below: HashMap::new(),
             abandoned: false,
+            commit_offsets: cfg.commit_offsets,
             totals: BatchStats::default(),
+            rows_flushed: 0,
             health,
             log_limit: RateLimiter::new(Duration::from_secs(5)),
         }
@@ -443,6 +451,7 @@ impl Stages {
                 metrics::histogram!(t::FLUSH_DURATION).record(started.elapsed().as_secs_f64());
                 metrics::counter!(t::FLUSHES).increment(1);
                 metrics::counter!(t::ROWS_FLUSHED).increment(pending.rows.len() as u64);
+                self.rows_flushed += pending.rows.len() as u64;
                 span.in_scope(|| debug!(elapsed_ms = started.elapsed().as_millis() as u64, "flushed"));
                 self.health.set_clickhouse(true);
                 let pending = self.pending.take().expect("set above");
@@ -488,6 +497,9 @@ impl Stages {
 
     /// Commits the offsets a durable flush allows, for the partitions still ours.
     fn commit<C: ConsumerContext>(&self, consumer: &impl Consumer<C>, commits: &BTreeMap<i32, i64>, mode: CommitMode) {
+        if !self.commit_offsets {
+            return;
+        }
         let mut tpl = TopicPartitionList::new();
         for (&p, &offset) in commits {
             if self.assigned.contains(&p) {

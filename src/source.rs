@@ -223,3 +223,127 @@ pub fn lookup_consumer(k: &KafkaSettings) -> Result<BaseConsumer, KafkaError> {
     c.set("group.id", "clickagg-lookup").set("enable.auto.commit", "false");
     c.create()
 }
+
+/// Offset ranges to read by direct assignment: `[start, end)` per partition.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Ranges {
+    pub partitions: std::collections::BTreeMap<i32, (i64, i64)>,
+}
+
+impl Ranges {
+    pub fn records(&self) -> u64 {
+        self.partitions.values().map(|(s, e)| (e - s).max(0) as u64).sum()
+    }
+}
+
+/// Reads [`Ranges`] with a directly assigned consumer (no group membership, no
+/// commits) and yields decoded poll batches until every partition reached its end.
+pub struct RangeReader {
+    consumer: rdkafka::consumer::StreamConsumer,
+    topic: String,
+    /// Partition → (next offset expected, end). Removed when done.
+    open: std::collections::BTreeMap<i32, (i64, i64)>,
+    limits: Limits,
+    max_records: usize,
+}
+
+impl RangeReader {
+    pub fn new(k: &KafkaSettings, group: &str, ranges: &Ranges, limits: Limits, max_records: usize) -> Result<RangeReader, KafkaError> {
+        let mut config = assigned_consumer_config(k, group);
+        // End-of-partition events tell a range whose last offsets are transaction
+        // markers (never delivered) that it is done.
+        config.set("enable.partition.eof", "true");
+        let consumer: rdkafka::consumer::StreamConsumer = config.create()?;
+        let mut tpl = TopicPartitionList::new();
+        let mut open = std::collections::BTreeMap::new();
+        for (&p, &(start, end)) in &ranges.partitions {
+            if start < end {
+                tpl.add_partition_offset(&k.topic, p, Offset::Offset(start))?;
+                open.insert(p, (start, end));
+            }
+        }
+        if tpl.count() > 0 {
+            consumer.assign(&tpl)?;
+        }
+        Ok(RangeReader { consumer, topic: k.topic.clone(), open, limits, max_records })
+    }
+
+    pub fn consumer(&self) -> &rdkafka::consumer::StreamConsumer {
+        &self.consumer
+    }
+
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    /// Partition → next offset to read, for partitions not finished.
+    pub fn positions(&self) -> impl Iterator<Item = (i32, i64)> + '_ {
+        self.open.iter().map(|(&p, &(next, _))| (p, next))
+    }
+
+    /// The next poll batch, or `None` when every range is read. Records past a
+    /// partition's end are dropped (and that partition is then done).
+    pub async fn next_batch(&mut self) -> Result<Option<Vec<Record>>, KafkaError> {
+        use futures_util::{FutureExt, StreamExt};
+        let RangeReader { consumer, topic, open, limits, max_records } = self;
+        let finish = |open: &mut std::collections::BTreeMap<i32, (i64, i64)>, p: i32| {
+            if open.remove(&p).is_some() {
+                let mut tpl = TopicPartitionList::new();
+                let _ = tpl.add_partition(topic, p);
+                // Stop fetching a finished partition; the others keep going.
+                let _ = consumer.pause(&tpl);
+            }
+        };
+        let mut stream = consumer.stream();
+        let mut out = Vec::new();
+        while !open.is_empty() {
+            let next = if out.is_empty() {
+                // Wait for the first record, but not forever: a quiet log still emits EOF.
+                match tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
+                    Ok(n) => n,
+                    Err(_) => return Err(KafkaError::MessageConsumption(RDKafkaErrorCode::RequestTimedOut)),
+                }
+            } else {
+                match stream.next().now_or_never() {
+                    Some(n) => n,
+                    None => break,
+                }
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    let p = msg.partition();
+                    let Some(&(_, end)) = open.get(&p) else { continue };
+                    if msg.offset() >= end {
+                        finish(open, p);
+                        continue;
+                    }
+                    out.push(Record::decode(&msg, limits));
+                    if msg.offset() + 1 >= end {
+                        finish(open, p);
+                    } else {
+                        open.insert(p, (msg.offset() + 1, end));
+                    }
+                    if out.len() >= *max_records {
+                        break;
+                    }
+                }
+                Some(Err(KafkaError::PartitionEOF(p))) => {
+                    // End of the log as of now: every existing offset below our end
+                    // (which is at most the high watermark) was delivered, including
+                    // ranges whose last offsets are transaction markers.
+                    finish(open, p);
+                    if !out.is_empty() {
+                        break;
+                    }
+                }
+                Some(Err(e)) => return Err(e),
+                None => break,
+            }
+        }
+        drop(stream);
+        if out.is_empty() && open.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(out))
+    }
+}

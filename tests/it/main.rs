@@ -2,5 +2,6 @@
 //! `scripts/stack up`. One binary, one module per concern; `helpers` gives each test
 //! its own topic, group, Redis prefix and ClickHouse database.
 
+mod backfill;
 mod exactly_once;
 mod helpers;

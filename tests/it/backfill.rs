@@ -1,0 +1,148 @@
+//! Replay for backfill and reconciliation against the topic.
+
+use std::time::Duration;
+
+use clickagg::aggregate::{BatchRow, BucketKey};
+use clickagg::produce::Spec;
+
+use crate::helpers::{redis_url, TestEnv};
+
+const CONVERGE: Duration = Duration::from_secs(180);
+const EXIT: Duration = Duration::from_secs(300);
+
+/// Runs `clickagg <args>` to completion and returns its output; asserts exit status.
+fn run_to_end(env: &TestEnv, label: &str, args: &[&str], extra: &[(&str, &str)], expect: i32) -> String {
+    let mut p = env.spawn(label, args, extra);
+    let code = p.wait(EXIT);
+    assert_eq!(code, expect, "{label} exited {code}:\n{}", p.output());
+    p.output()
+}
+
+/// A topic with clicks, fully counted by a live member that then stopped.
+async fn counted_topic(name: &str, count: u64, seed: u64) -> (TestEnv, clickagg::produce::Truth) {
+    let env = TestEnv::new(name).await;
+    let (records, truth) = env.plan(Spec { count, seed, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut m = env.spawn_member("live");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(m.terminate(Duration::from_secs(30)), 0);
+    (env, truth)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaying_the_whole_topic_three_times_changes_no_count() {
+    let (env, truth) = counted_topic("replay3x", 60_000, 11).await;
+    let before = env.billing().await;
+    for i in 0..3 {
+        let out = run_to_end(&env, &format!("replay{i}"), &["replay", "--from", "earliest", "--to", "latest"], &[], 0);
+        assert!(out.contains("replayed 60000 records"), "{out}");
+        // Every click was claimed by its own position in the log, so it is counted again
+        // in its batch (identical rows), never as a new click.
+        assert!(out.contains(&format!("{} counted ({} already claimed", truth.clicks, truth.clicks)), "{out}");
+        assert_eq!(env.billing().await, before, "replay {i} changed a count");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_table_is_rebuilt_by_a_replay_with_and_without_the_dedup_keys() {
+    // Redis database 15 is this test's alone, so FLUSHDB touches no other test.
+    let mut url = url::Url::parse(&redis_url()).unwrap();
+    url.set_path("/15");
+    let redis = url.to_string();
+    let mut env = TestEnv::new("rebuild").await;
+    env.extra_env.push(("CLICKAGG__REDIS__URL".into(), redis.clone()));
+    let mut client = redis::Client::open(redis.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+    let _: () = redis::cmd("FLUSHDB").query_async(&mut client).await.unwrap();
+
+    let (records, truth) = env.plan(Spec { count: 60_000, seed: 12, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut m = env.spawn_member("live");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(m.terminate(Duration::from_secs(30)), 0);
+
+    for flush_redis in [false, true] {
+        env.sink().execute("DROP TABLE ad_clicks_minute").await.unwrap();
+        env.sink().migrate().await.unwrap();
+        assert!(env.billing().await.is_empty());
+        if flush_redis {
+            let _: () = redis::cmd("FLUSHDB").query_async(&mut client).await.unwrap();
+        }
+        run_to_end(&env, &format!("replay-flushdb-{flush_redis}"), &["replay", "--from", "earliest"], &[], 0);
+        let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
+        assert!(d.is_exact(), "after replay (FLUSHDB: {flush_redis}):\n{}", d.report(20));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
+    let env = TestEnv::new("replaylive").await;
+    let (records, truth) = env.plan(Spec { count: 120_000, seed: 13, ..Spec::default() });
+    // The first half is in the topic before anything runs; the rest arrives meanwhile.
+    let (first, rest) = records.split_at(60_000);
+    env.send(first, 4, None).await;
+    let producer = {
+        let settings = env.settings();
+        let topic = env.topic.clone();
+        let rest = rest.to_vec();
+        tokio::spawn(async move { clickagg::produce::send(&settings.kafka, &topic, 4, &rest, Some(15_000), |_| {}).await.unwrap() })
+    };
+    let mut live = env.spawn_member("live");
+    live.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    run_to_end(&env, "replay-a", &["replay"], &[], 0);
+    run_to_end(&env, "replay-b", &["replay"], &[], 0);
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(live.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
+    let (env, truth) = counted_topic("midbatch", 40_000, 14).await;
+    let before = env.billing().await;
+    // Offsets in the middle of batches (batch_offsets = 1000), and a time in the middle.
+    let out = run_to_end(&env, "replay-offsets", &["replay", "--from", "0:1500,1:2999,2:10,3:7777"], &[], 0);
+    assert!(out.contains("replayed"), "{out}");
+    assert_eq!(env.billing().await, before);
+    let mid = chrono::DateTime::from_timestamp_millis(
+        clickagg::replay::parse_time_ms(&chrono::Utc::now().to_rfc3339()).unwrap() - 5 * 60_000,
+    )
+    .unwrap()
+    .to_rfc3339();
+    run_to_end(&env, "replay-time", &["replay", "--from", &mid], &[], 0);
+    assert_eq!(env.billing().await, before);
+    let d = clickagg::verify::diff(&truth.counts, &before);
+    assert!(d.is_exact(), "{}", d.report(10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
+    let (env, truth) = counted_topic("reconcile", 40_000, 15).await;
+    let (from, to) = window(&truth.counts);
+    let out = run_to_end(&env, "reconcile-ok", &["reconcile", "--from", &from, "--to", &to], &[], 0);
+    assert!(out.contains("exact match"), "{out}");
+    // Small spill budget: many spill files, same answer.
+    let out = run_to_end(
+        &env,
+        "reconcile-spill",
+        &["reconcile", "--from", &from, "--to", &to, "--max-clicks-in-memory", "5000"],
+        &[],
+        0,
+    );
+    assert!(out.contains("exact match") && out.contains("8 spill file(s)"), "{out}");
+
+    // Corrupt one bucket: a row for a batch that never existed, with a huge version.
+    let (key, clicks) = truth.counts.iter().next().map(|(k, c)| (*k, *c)).unwrap();
+    let forged = BatchRow { key, partition: 0, batch_start: 999_999_000, clicks: 5, version: i64::MAX - 1 };
+    env.sink().insert(&env.topic, &[forged]).await.unwrap();
+    let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 1);
+    assert!(out.contains("1 ad-minutes differ"), "{out}");
+    assert!(out.contains(&key.minute.to_rfc3339()) && out.contains(&format!("{}", clicks + 5)), "{out}");
+}
+
+/// The smallest minute-aligned window holding every bucket, as RFC 3339 strings.
+fn window(counts: &std::collections::BTreeMap<BucketKey, u64>) -> (String, String) {
+    let min = counts.keys().map(|k| k.minute).min().unwrap();
+    let max = counts.keys().map(|k| k.minute).max().unwrap();
+    let to = clickagg::click::Minute::from_epoch_seconds(max.epoch_seconds() + 60);
+    (min.to_rfc3339(), to.to_rfc3339())
+}
