@@ -119,6 +119,8 @@ struct PartitionState {
     complete: Vec<Batch>,
     /// The boundary where the next batch starts once `open` is `None`.
     next_start: Option<i64>,
+    /// The last offset read.
+    last_offset: i64,
 }
 
 /// Per-partition batches of counts; see the module docs.
@@ -169,6 +171,7 @@ impl Aggregator {
             state.complete.push(state.open.take().expect("just inserted"));
         }
         state.next_start = Some(start + n.get() as i64);
+        state.last_offset = offset;
     }
 
     /// Cuts the rows of every bucket changed since the last flush, drops complete batches
@@ -220,6 +223,11 @@ impl Aggregator {
     /// Buckets held in memory across all batches (bounded by the pipeline).
     pub fn buckets_held(&self) -> usize {
         self.buckets_held
+    }
+
+    /// The last offset read per partition.
+    pub fn last_offsets(&self) -> BTreeMap<i32, i64> {
+        self.partitions.iter().map(|(&p, s)| (p, s.last_offset)).collect()
     }
 
     pub fn partitions(&self) -> impl Iterator<Item = i32> + '_ {

@@ -64,6 +64,7 @@ async fn run(s: Settings) -> Result<ExitCode> {
     cancel_on_signals(shutdown.clone());
     let health = Health::new();
     let metrics = telemetry::metrics();
+    telemetry::register_zeroes();
     let http_stop = CancellationToken::new();
     if s.http.enabled {
         let (addr, _) = health::serve(s.http.addr, health.clone(), metrics, http_stop.clone())

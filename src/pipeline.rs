@@ -52,7 +52,7 @@ pub enum PipelineError {
     #[error(transparent)]
     Sink(#[from] SinkError),
     #[error("{0}")]
-    Startup(String),
+    Fatal(String),
 }
 
 /// How a member ended.
@@ -554,6 +554,37 @@ pub struct GroupContext {
     stages: Arc<Mutex<Stages>>,
     topic: String,
     runtime: Handle,
+    /// Set when librdkafka reports an error retrying cannot fix (bad credentials): the
+    /// loop stops with this message instead of retrying forever.
+    fatal: FatalSignal,
+}
+
+/// A fatal condition reported from a librdkafka callback thread to the loop.
+#[derive(Clone, Default)]
+pub struct FatalSignal {
+    token: CancellationToken,
+    message: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl FatalSignal {
+    pub fn raise(&self, message: String) {
+        self.message.lock().expect("not poisoned").get_or_insert(message);
+        self.token.cancel();
+    }
+
+    pub async fn raised(&self) -> String {
+        self.token.cancelled().await;
+        self.message.lock().expect("not poisoned").clone().unwrap_or_default()
+    }
+}
+
+/// Kafka errors that no retry can fix.
+fn is_fatal_kafka(code: Option<rdkafka::types::RDKafkaErrorCode>) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        code,
+        Some(C::Authentication | C::SaslAuthenticationFailed | C::TopicAuthorizationFailed | C::GroupAuthorizationFailed | C::ClusterAuthorizationFailed | C::SSL)
+    )
 }
 
 impl GroupContext {
@@ -586,6 +617,11 @@ impl ClientContext for GroupContext {
 
     fn error(&self, error: KafkaError, reason: &str) {
         metrics::counter!(t::KAFKA_ERRORS, "op" => "client").increment(1);
+        if is_fatal_kafka(error.rdkafka_error_code()) {
+            self.fatal.raise(format!(
+                "Kafka refused this member: {error} ({reason}); check kafka.security_protocol, kafka.sasl_* and kafka.ssl_* settings"
+            ));
+        }
         warn!(error = %error, reason, "kafka client error");
     }
 }
@@ -654,12 +690,18 @@ impl Member {
             sink,
             self.health.clone(),
         )));
-        let context = GroupContext { stages: stages.clone(), topic: s.kafka.topic.clone(), runtime: Handle::current() };
+        let fatal = FatalSignal::default();
+        let context = GroupContext {
+            stages: stages.clone(),
+            topic: s.kafka.topic.clone(),
+            runtime: Handle::current(),
+            fatal: fatal.clone(),
+        };
         let consumer: StreamConsumer<GroupContext> = source::group_consumer_config(&s.kafka).create_with_context(context)?;
         consumer.subscribe(&[s.kafka.topic.as_str()])?;
         info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
 
-        let exit = consume(&consumer, &stages, s, &shutdown).await;
+        let exit = consume(&consumer, &stages, s, &shutdown, &fatal).await;
         let exit = match exit {
             Ok(()) => drain(&consumer, &stages, s.pipeline.drain_timeout).await,
             Err(e) => {
@@ -681,6 +723,7 @@ async fn consume(
     stages: &Mutex<Stages>,
     s: &Settings,
     shutdown: &CancellationToken,
+    fatal: &FatalSignal,
 ) -> Result<(), PipelineError> {
     let max_records = s.pipeline.max_poll_records;
     let max_unflushed = s.pipeline.max_unflushed_buckets;
@@ -713,6 +756,7 @@ async fn consume(
         tokio::select! {
             biased;
             _ = shutdown.cancelled() => return Ok(()),
+            message = fatal.raised() => return Err(PipelineError::Fatal(message)),
             _ = ticker.tick() => {
                 let mut st = stages.lock().await;
                 st.flush(consumer, CommitMode::Async).await?;
@@ -728,6 +772,9 @@ async fn consume(
                         }
                         Some(Err(e)) => {
                             metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
+                            if is_fatal_kafka(e.rdkafka_error_code()) {
+                                fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
+                            }
                             if kafka_log.allow("consume", Instant::now()).is_some() {
                                 warn!(error = %e, "kafka consume error");
                             }
@@ -765,9 +812,13 @@ async fn consume(
 async fn drain(consumer: &StreamConsumer<GroupContext>, stages: &Mutex<Stages>, timeout: Duration) -> Result<Exit, PipelineError> {
     let deadline = Instant::now() + timeout;
     let mut st = stages.lock().await;
-    info!(unflushed_buckets = st.unflushed_buckets(), "draining: final flush and commit");
+    let last_read = st.agg.last_offsets();
+    info!(unflushed_buckets = st.unflushed_buckets(), ?last_read, "draining: final flush and commit");
     match st.flush_until(deadline, consumer, CommitMode::Sync).await {
-        Ok(true) => Ok(Exit::Drained),
+        Ok(true) => {
+            info!(last_read = %serde_json::to_string(&last_read).unwrap_or_default(), "drained: everything read is flushed and committed");
+            Ok(Exit::Drained)
+        }
         Ok(false) => {
             error!(timeout_ms = timeout.as_millis() as u64, "drain timed out; leaving without committing unflushed work");
             st.abandon();
@@ -791,7 +842,7 @@ async fn wait_for_clickhouse(sink: &Sink, max_backoff: Duration, shutdown: &Canc
             Err(e) => {
                 warn!(error = %e, "waiting for ClickHouse");
                 if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                    return Err(PipelineError::Startup("shut down while waiting for ClickHouse".into()));
+                    return Err(PipelineError::Fatal("shut down while waiting for ClickHouse".into()));
                 }
             }
         }
@@ -816,7 +867,7 @@ async fn check_topic_not_recreated(s: &Settings, sink: &Sink) -> Result<(), Pipe
         Ok(out)
     })
     .await
-    .map_err(|e| PipelineError::Startup(e.to_string()))?;
+    .map_err(|e| PipelineError::Fatal(e.to_string()))?;
     let marks = match marks {
         Ok(m) => m,
         // The topic may not exist yet (auto-created on first produce): nothing to compare.
@@ -825,7 +876,7 @@ async fn check_topic_not_recreated(s: &Settings, sink: &Sink) -> Result<(), Pipe
     for (p, high) in marks {
         if let Some(&start) = stored.get(&p) {
             if start > high {
-                return Err(PipelineError::Startup(format!(
+                return Err(PipelineError::Fatal(format!(
                     "ClickHouse holds batch {start} of {}/{p}, but the partition's log ends at offset {high}: \
                      the topic looks deleted and recreated, and its new offsets would overwrite old batches. \
                      Write the new topic into another database (clickhouse.database) or under another topic name.",

@@ -55,6 +55,22 @@ pub fn metrics() -> PrometheusHandle {
         .clone()
 }
 
+/// Publishes every unlabelled counter at 0, so dashboards and alerts see the series
+/// before the first event (a missing series reads as "no data", not as zero).
+pub fn register_zeroes() {
+    for name in [
+        RECORDS_CONSUMED, CLICKS_COUNTED, DUPLICATES_DROPPED, REDELIVERIES, DEAD_LETTERS, SKIPPED_PARTIAL_BATCH,
+        FLUSHES, ROWS_FLUSHED, REDIS_ERRORS, REDIS_RETRIES, CLICKHOUSE_ERRORS, CLICKHOUSE_RETRIES,
+    ] {
+        metrics::counter!(name).absolute(0);
+    }
+    for reason in crate::click::RejectReason::ALL {
+        metrics::counter!(INVALID_RECORDS, "reason" => reason.as_str()).absolute(0);
+    }
+    metrics::gauge!(PAUSED).set(0.0);
+    metrics::gauge!(BUCKETS_HELD).set(0.0);
+}
+
 /// Installs the tracing subscriber: `RUST_LOG` if set, else the configured filter.
 pub fn init_logs(settings: &LogSettings) {
     let filter = EnvFilter::try_from_default_env()

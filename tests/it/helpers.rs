@@ -58,7 +58,9 @@ pub fn require_services() {
 
 /// One test's isolated slice of the services.
 pub struct TestEnv {
-    pub name: String,
+    pub brokers: String,
+    pub redis_url: String,
+    pub clickhouse_url: String,
     pub topic: String,
     pub group: String,
     pub redis_prefix: String,
@@ -72,12 +74,30 @@ pub struct TestEnv {
 impl TestEnv {
     pub async fn new(name: &str) -> TestEnv {
         require_services();
+        Self::on(name, brokers(), redis_url(), clickhouse_url()).await
+    }
+
+    /// A test whose members use a private stack for some services (fault tests).
+    pub async fn with_stack(name: &str, stack: &PrivateStack) -> TestEnv {
+        require_services();
+        Self::on(
+            name,
+            stack.brokers().unwrap_or_else(brokers),
+            stack.redis_url().unwrap_or_else(redis_url),
+            stack.clickhouse_url().unwrap_or_else(clickhouse_url),
+        )
+        .await
+    }
+
+    async fn on(name: &str, brokers: String, redis_url: String, clickhouse_url: String) -> TestEnv {
         let tag: u32 = rand::rng().random();
         let tag = format!("{tag:08x}");
         let log_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("it-logs").join(format!("{name}-{tag}"));
         std::fs::create_dir_all(&log_dir).unwrap();
         let env = TestEnv {
-            name: name.to_string(),
+            brokers,
+            redis_url,
+            clickhouse_url,
             topic: format!("it-{name}-{tag}"),
             group: format!("it-{name}-{tag}"),
             redis_prefix: format!("it:{name}:{tag}:"),
@@ -93,12 +113,12 @@ impl TestEnv {
     /// Settings as a member would load them (no file, this test's names).
     pub fn settings(&self) -> Settings {
         let mut s = Settings::default();
-        s.kafka.brokers = brokers();
+        s.kafka.brokers = self.brokers.clone();
         s.kafka.topic = self.topic.clone();
         s.kafka.group = self.group.clone();
-        s.redis.url = clickagg::config::SecretUrl::new(redis_url());
+        s.redis.url = clickagg::config::SecretUrl::new(self.redis_url.clone());
         s.redis.key_prefix = self.redis_prefix.clone();
-        s.clickhouse.url = clickhouse_url();
+        s.clickhouse.url = self.clickhouse_url.clone();
         s.clickhouse.database = self.database.clone();
         s.pipeline.batch_offsets = self.batch_offsets;
         s
@@ -111,13 +131,13 @@ impl TestEnv {
     /// The environment of a member process.
     pub fn member_env(&self) -> Vec<(String, String)> {
         let mut v: Vec<(String, String)> = [
-            ("CLICKAGG__KAFKA__BROKERS", brokers()),
+            ("CLICKAGG__KAFKA__BROKERS", self.brokers.clone()),
             ("CLICKAGG__KAFKA__TOPIC", self.topic.clone()),
             ("CLICKAGG__KAFKA__GROUP", self.group.clone()),
             ("CLICKAGG__KAFKA__SESSION_TIMEOUT", "6s".into()),
-            ("CLICKAGG__REDIS__URL", redis_url()),
+            ("CLICKAGG__REDIS__URL", self.redis_url.clone()),
             ("CLICKAGG__REDIS__KEY_PREFIX", self.redis_prefix.clone()),
-            ("CLICKAGG__CLICKHOUSE__URL", clickhouse_url()),
+            ("CLICKAGG__CLICKHOUSE__URL", self.clickhouse_url.clone()),
             ("CLICKAGG__CLICKHOUSE__DATABASE", self.database.clone()),
             ("CLICKAGG__PIPELINE__BATCH_OFFSETS", self.batch_offsets.to_string()),
             ("CLICKAGG__PIPELINE__FLUSH_INTERVAL", "200ms".into()),
@@ -214,7 +234,7 @@ impl TestEnv {
     /// member may be running): what `kafka-consumer-groups --reset-offsets` does.
     pub fn reset_group_offsets(&self, to: Offset) {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", &self.brokers)
             .set("group.id", &self.group)
             .set("enable.auto.commit", "false")
             .create()
@@ -237,7 +257,7 @@ impl TestEnv {
     /// Committed offsets of this test's group, per partition.
     pub fn committed_offsets(&self) -> BTreeMap<i32, i64> {
         let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", brokers())
+            .set("bootstrap.servers", &self.brokers)
             .set("group.id", &self.group)
             .create()
             .unwrap();
@@ -255,7 +275,7 @@ impl TestEnv {
 
     /// Partition → high watermark of the topic.
     pub fn high_watermarks(&self) -> BTreeMap<i32, i64> {
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", brokers()).create().unwrap();
+        let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().unwrap();
         let parts = clickagg::source::partitions(&consumer, &self.topic, Duration::from_secs(10)).unwrap();
         parts
             .into_iter()
@@ -301,10 +321,6 @@ impl Member {
         }
     }
 
-    pub fn line_count(&self) -> usize {
-        self.lines.lock().unwrap().len()
-    }
-
     pub fn signal(&self, sig: i32) {
         unsafe {
             libc::kill(self.pid(), sig);
@@ -335,10 +351,6 @@ impl Member {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-    }
-
-    pub fn is_running(&mut self) -> bool {
-        self.child.as_mut().unwrap().try_wait().unwrap().is_none()
     }
 
     /// The address of this member's HTTP server, from its start-up log line.
@@ -407,4 +419,93 @@ fn dechunk(body: &str) -> String {
         rest = &tail[n..].trim_start_matches("\r\n");
     }
     out
+}
+
+/// Services of the test's own, started with `scripts/stack` on free ports in a private
+/// directory, so a test can stop and restart them without disturbing other tests.
+pub struct PrivateStack {
+    dir: PathBuf,
+    env: Vec<(String, String)>,
+    services: Vec<&'static str>,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+impl PrivateStack {
+    pub fn start(name: &str, services: &[&'static str]) -> PrivateStack {
+        let tag: u32 = rand::rng().random();
+        let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("private-stacks").join(format!("{name}-{tag:08x}"));
+        let env = vec![
+            ("CLICKAGG_STACK_DIR".to_string(), dir.display().to_string()),
+            ("CLICKAGG_STACK_NO_INSTALL".to_string(), "1".to_string()),
+            ("KAFKA_PORT".to_string(), free_port().to_string()),
+            ("KAFKA_CONTROLLER_PORT".to_string(), free_port().to_string()),
+            ("KAFKA_SASL_PORT".to_string(), free_port().to_string()),
+            ("KAFKA_HEAP".to_string(), "512m".to_string()),
+            ("REDIS_PORT".to_string(), free_port().to_string()),
+            ("CLICKHOUSE_HTTP_PORT".to_string(), free_port().to_string()),
+            ("CLICKHOUSE_TCP_PORT".to_string(), free_port().to_string()),
+        ];
+        let stack = PrivateStack { dir, env, services: services.to_vec() };
+        for s in services {
+            stack.up(s);
+        }
+        stack
+    }
+
+    fn port(&self, key: &str) -> String {
+        self.env.iter().find(|(k, _)| k == key).unwrap().1.clone()
+    }
+
+    fn has(&self, service: &str) -> bool {
+        self.services.contains(&service)
+    }
+
+    pub fn brokers(&self) -> Option<String> {
+        self.has("kafka").then(|| format!("127.0.0.1:{}", self.port("KAFKA_PORT")))
+    }
+
+    pub fn redis_url(&self) -> Option<String> {
+        self.has("redis").then(|| format!("redis://127.0.0.1:{}/", self.port("REDIS_PORT")))
+    }
+
+    pub fn clickhouse_url(&self) -> Option<String> {
+        self.has("clickhouse").then(|| format!("http://127.0.0.1:{}", self.port("CLICKHOUSE_HTTP_PORT")))
+    }
+
+    fn stack(&self, command: &str, service: &str) {
+        let out = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack"))
+            .args([command, service])
+            .envs(self.env.iter().cloned())
+            .output()
+            .expect("run scripts/stack");
+        assert!(
+            out.status.success(),
+            "scripts/stack {command} {service} failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    pub fn up(&self, service: &str) {
+        self.stack("up", service);
+    }
+
+    pub fn down(&self, service: &str) {
+        self.stack("down", service);
+    }
+}
+
+impl Drop for PrivateStack {
+    fn drop(&mut self) {
+        for s in &self.services {
+            let _ = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack"))
+                .args(["down", s])
+                .envs(self.env.iter().cloned())
+                .output();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
