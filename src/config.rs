@@ -48,7 +48,31 @@ impl Serialize for Secret {
 
 impl<'de> Deserialize<'de> for Secret {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d).map(Secret::new)
+        // Environment values that look like numbers or booleans (`PASSWORD=12345`)
+        // arrive typed; a secret is whatever text was written.
+        struct Text;
+        impl serde::de::Visitor<'_> for Text {
+            type Value = String;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<String, E> {
+                Ok(v.to_string())
+            }
+        }
+        d.deserialize_any(Text).map(Secret::new)
     }
 }
 
@@ -638,6 +662,18 @@ mod tests {
         let printed = format!("{s:?}\n{}", s.to_redacted_toml());
         assert!(!printed.contains("hunter2"), "{printed}");
         assert!(printed.contains("redis://user:%5Bredacted%5D@127.0.0.1:6379/") || printed.contains("[redacted]"));
+    }
+
+    #[test]
+    fn a_secret_that_looks_like_a_number_is_still_a_secret() {
+        Jail::expect_with(|jail| {
+            jail.set_env("CLICKAGG__CLICKHOUSE__PASSWORD", "12345");
+            jail.set_env("CLICKAGG__KAFKA__SASL_PASSWORD", "true");
+            let s = Settings::load(None, vec![]).unwrap();
+            assert_eq!(s.clickhouse.password.unwrap().expose(), "12345");
+            assert_eq!(s.kafka.sasl_password.unwrap().expose(), "true");
+            Ok(())
+        });
     }
 
     #[test]

@@ -311,7 +311,7 @@ impl Stages {
         metrics::counter!(t::REDELIVERIES).increment(stats.redelivered);
         metrics::counter!(t::DUPLICATES_DROPPED).increment(stats.duplicates);
         metrics::counter!(t::SKIPPED_PARTIAL_BATCH).increment(stats.skipped);
-        metrics::gauge!(t::BUCKETS_HELD).set(self.agg.buckets_held() as f64);
+        metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
         self.totals.add(&stats);
         Ok(stats)
     }
@@ -456,6 +456,7 @@ impl Stages {
                 self.health.set_clickhouse(true);
                 let pending = self.pending.take().expect("set above");
                 self.commit(consumer, &pending.commits, mode);
+                metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
                 self.flush_backoff.reset();
                 self.next_flush_attempt = Instant::now();
                 Ok(true)
@@ -712,8 +713,11 @@ impl Member {
         };
         // Dropping the consumer leaves the group; the revoke callback runs in here.
         drop(consumer);
-        let totals = stages.lock().await.totals;
-        info!(?totals, "member stopped");
+        let (totals, rows_flushed) = {
+            let st = stages.lock().await;
+            (st.totals, st.rows_flushed)
+        };
+        info!(?totals, rows_flushed, "member stopped");
         exit
     }
 }

@@ -273,6 +273,7 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
 #[derive(Default, Clone)]
 struct Deliveries {
     failed: Arc<AtomicU64>,
+    first_error: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 impl ClientContext for Deliveries {}
@@ -280,10 +281,19 @@ impl ClientContext for Deliveries {}
 impl ProducerContext for Deliveries {
     type DeliveryOpaque = ();
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
-        if result.is_err() {
+        if let Err((e, _)) = result {
             self.failed.fetch_add(1, Ordering::Relaxed);
+            self.first_error.lock().expect("not poisoned").get_or_insert_with(|| e.to_string());
         }
     }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error("{failed} records were not acknowledged by the broker (first error: {first}); the ground truth is void")]
+    Undelivered { failed: u64, first: String },
 }
 
 /// Sends `records` to `topic` (created with `partitions` partitions if missing), at
@@ -295,7 +305,7 @@ pub async fn send(
     records: &[Planned],
     rate: Option<u64>,
     mut progress: impl FnMut(u64),
-) -> Result<(), KafkaError> {
+) -> Result<(), SendError> {
     source::ensure_topic(k, topic, partitions).await?;
     let deliveries = Deliveries::default();
     let producer: ThreadedProducer<Deliveries> =
@@ -321,7 +331,7 @@ pub async fn send(
                     record = back;
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
-                Err((e, _)) => return Err(e),
+                Err((e, _)) => return Err(e.into()),
             }
         }
         if i % 10_000 == 0 {
@@ -335,9 +345,8 @@ pub async fn send(
     progress(records.len() as u64);
     let failed = deliveries.failed.load(Ordering::Relaxed);
     if failed > 0 {
-        return Err(KafkaError::MessageProduction(RDKafkaErrorCode::Fail)).inspect_err(|_| {
-            tracing::error!(failed, "records were not acknowledged by the broker; the ground truth is void");
-        });
+        let first = deliveries.first_error.lock().expect("not poisoned").clone().unwrap_or_default();
+        return Err(SendError::Undelivered { failed, first });
     }
     Ok(())
 }

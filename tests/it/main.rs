@@ -3,5 +3,9 @@
 //! its own topic, group, Redis prefix and ClickHouse database.
 
 mod backfill;
+mod dead_letters;
+mod deploy;
 mod exactly_once;
+mod faults;
 mod helpers;
+mod operability;

@@ -1,0 +1,39 @@
+-- Billing counts: clicks per ad and bucket (minute, hour or day, UTC) in [from, to).
+--
+-- Exact by construction: a batch row replaced by a later version (a retried, replayed
+-- or zombie flush) must never be summed twice, so the table is read through FINAL,
+-- which keeps only the highest version per (ad_id, minute, topic, partition,
+-- batch_start) even before the background merges ran; the batches of a bucket are then
+-- summed. Every filter is on a sorting-key column, so it gives the same rows whether
+-- the server applies it before or after the FINAL merge.
+--
+-- Parameters:
+--   from, to  bucket range [from, to), UTC: '2026-11-30 00:00:00' or Unix seconds
+--   by        'minute', 'hour' or 'day'
+--   ads       '[]' for every ad, '[17,42]' for some
+--   topic     '' for every topic, or one Kafka topic
+--
+-- Run it with a current clickhouse-client, which sends the parameters to the server:
+--
+--   clickhouse-client --database clickagg \
+--     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
+--     --param_by=hour --param_ads='[]' --param_topic='' \
+--     < sql/billing.sql
+--
+-- ClickHouse 18.16 knows no query parameters: there, `clickagg query --print-sql ...`
+-- prints this query with the values written in, ready for `clickhouse-client`.
+-- `clickagg query` runs this same file (it writes the values in client-side).
+SELECT
+    ad_id,
+    toUInt32(multiIf(
+        {by:String} = 'day', toStartOfDay(minute),
+        {by:String} = 'hour', toStartOfHour(minute),
+        minute)) AS bucket,
+    sum(clicks) AS clicks
+FROM ad_clicks_minute FINAL
+WHERE minute >= {from:DateTime('UTC')}
+  AND minute < {to:DateTime('UTC')}
+  AND (empty({ads:Array(UInt64)}) OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+  AND ({topic:String} = '' OR topic = {topic:String})
+GROUP BY ad_id, bucket
+ORDER BY ad_id, bucket

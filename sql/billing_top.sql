@@ -1,0 +1,41 @@
+-- Billing counts of the top ads: the `top` ads with the most clicks in [from, to)
+-- (ties: the lower ad_id first), with their clicks per bucket (minute, hour or day,
+-- UTC) in that range. Read through FINAL like sql/billing.sql; see there why that is
+-- exact.
+--
+-- Parameters: those of sql/billing.sql (from, to, by, ads, topic; `ads` narrows the
+-- candidates), and
+--   top       how many ads, e.g. 10
+--
+-- Run it with a current clickhouse-client:
+--
+--   clickhouse-client --database clickagg \
+--     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
+--     --param_by=day --param_ads='[]' --param_topic='' --param_top=10 \
+--     < sql/billing_top.sql
+--
+-- The rows come ordered by ad_id; `clickagg query --top N` lists the ads by their
+-- total, largest first. On ClickHouse 18.16 use `clickagg query --print-sql ...`.
+SELECT
+    ad_id,
+    toUInt32(multiIf(
+        {by:String} = 'day', toStartOfDay(minute),
+        {by:String} = 'hour', toStartOfHour(minute),
+        minute)) AS bucket,
+    sum(clicks) AS clicks
+FROM ad_clicks_minute FINAL
+WHERE minute >= {from:DateTime('UTC')}
+  AND minute < {to:DateTime('UTC')}
+  AND ({topic:String} = '' OR topic = {topic:String})
+  AND ad_id IN (
+      SELECT ad_id
+      FROM ad_clicks_minute FINAL
+      WHERE minute >= {from:DateTime('UTC')}
+        AND minute < {to:DateTime('UTC')}
+        AND (empty({ads:Array(UInt64)}) OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+        AND ({topic:String} = '' OR topic = {topic:String})
+      GROUP BY ad_id
+      ORDER BY sum(clicks) DESC, ad_id
+      LIMIT {top:UInt64})
+GROUP BY ad_id, bucket
+ORDER BY ad_id, bucket

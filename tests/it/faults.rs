@@ -1,0 +1,122 @@
+//! Outages without loss: each test stops one service of a private stack mid-run and
+//! starts it again; the member recovers by itself and the counts end exact.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use clickagg::produce::Spec;
+
+use crate::helpers::{PrivateStack, TestEnv};
+
+const CONVERGE: Duration = Duration::from_secs(240);
+
+fn spawn_producer(env: &TestEnv, records: Vec<clickagg::produce::Planned>, rate: u64) -> tokio::task::JoinHandle<()> {
+    let settings = env.settings();
+    let topic = env.topic.clone();
+    tokio::spawn(async move {
+        clickagg::produce::send(&settings.kafka, &topic, 4, &records, Some(rate), |_| {}).await.unwrap()
+    })
+}
+
+/// Polls `/readyz` until its status is `want` (or panics after `timeout`).
+fn wait_ready(member: &crate::helpers::Member, want: u16, timeout: Duration) -> String {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let (status, body) = member.http_get("/readyz");
+        if status == want {
+            return body;
+        }
+        assert!(Instant::now() < deadline, "/readyz stayed {status} ({body}), wanted {want}");
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn committed(env: &TestEnv) -> BTreeMap<i32, i64> {
+    env.committed_offsets()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly() {
+    let stack = PrivateStack::start("redis-outage", &["redis"]);
+    let env = TestEnv::with_stack("redisout", &stack).await;
+    let (records, truth) = env.plan(Spec { count: 90_000, seed: 31, ..Spec::default() });
+    let producer = spawn_producer(&env, records, 2_500);
+    let mut member = env.spawn_member("m");
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    wait_ready(&member, 200, Duration::from_secs(30));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    stack.down("redis");
+    let outage = Instant::now();
+    let body = wait_ready(&member, 503, Duration::from_secs(15));
+    assert!(body.contains("redis unreachable"), "{body}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = committed(&env);
+    tokio::time::sleep(Duration::from_secs(20).saturating_sub(outage.elapsed())).await;
+    assert_eq!(committed(&env), before, "nothing may be committed while dedup is impossible");
+    assert!(member.metric("clickagg_redis_errors_total", &[]) > 0.0);
+    stack.up("redis");
+
+    wait_ready(&member, 200, Duration::from_secs(30));
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_exactly() {
+    let stack = PrivateStack::start("ch-outage", &["clickhouse"]);
+    let mut env = TestEnv::with_stack("chout", &stack).await;
+    let bound = 3_000;
+    env.extra_env.push(("CLICKAGG__PIPELINE__MAX_UNFLUSHED_BUCKETS".into(), bound.to_string()));
+    let (records, truth) = env.plan(Spec { count: 90_000, seed: 32, ..Spec::default() });
+    let producer = spawn_producer(&env, records, 2_500);
+    let mut member = env.spawn_member("m");
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    stack.down("clickhouse");
+    let outage = Instant::now();
+    let body = wait_ready(&member, 503, Duration::from_secs(15));
+    assert!(body.contains("clickhouse unreachable"), "{body}");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = committed(&env);
+    // Consumption pauses once the unflushed state reaches the bound: memory stays bounded.
+    let deadline = Instant::now() + Duration::from_secs(25);
+    while member.metric("clickagg_consumption_paused", &[]) < 1.0 {
+        assert!(Instant::now() < deadline, "consumption never paused");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let held = member.metric("clickagg_unflushed_buckets", &[]);
+    assert!(held >= bound as f64 && held < (bound + 2 * 2_000) as f64, "{held} buckets held, bound {bound}");
+    tokio::time::sleep(Duration::from_secs(30).saturating_sub(outage.elapsed())).await;
+    assert_eq!(committed(&env), before, "nothing may be committed while ClickHouse is down");
+    assert!(member.metric("clickagg_clickhouse_retries_total", &[]) > 0.0);
+    stack.up("clickhouse");
+
+    wait_ready(&member, 200, Duration::from_secs(30));
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.metric("clickagg_consumption_paused", &[]), 0.0);
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
+    let stack = PrivateStack::start("kafka-restart", &["kafka"]);
+    let env = TestEnv::with_stack("kafkarestart", &stack).await;
+    let (records, truth) = env.plan(Spec { count: 90_000, seed: 33, ..Spec::default() });
+    let producer = spawn_producer(&env, records, 3_000);
+    let mut member = env.spawn_member("m");
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(90));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+
+    stack.down("kafka");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stack.up("kafka");
+
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert!(member.metric("clickagg_kafka_errors_total", &[]) > 0.0, "the member saw the broker go away");
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}

@@ -1,0 +1,222 @@
+//! Running clickagg as a service: graceful shutdown, what `/metrics` and `/readyz`
+//! report, secrets that never print, and secured connections.
+
+use std::collections::{BTreeMap, HashSet};
+use std::time::Duration;
+
+use clickagg::aggregate::{BatchOffsets, BucketKey};
+use clickagg::click::RejectReason;
+use clickagg::produce::Spec;
+use clickagg::source::{RangeReader, Ranges};
+
+use crate::helpers::{PrivateStack, TestEnv};
+
+const CONVERGE: Duration = Duration::from_secs(180);
+
+/// Distinct valid clicks per bucket among the records below `ends` (per partition),
+/// recounted from the topic: what must be in ClickHouse behind committed offsets.
+async fn counts_below(env: &TestEnv, ends: &BTreeMap<i32, i64>) -> BTreeMap<BucketKey, u64> {
+    let ranges = Ranges { partitions: ends.iter().map(|(&p, &e)| (p, (0, e))).collect() };
+    let s = env.settings();
+    let mut reader = RangeReader::new(&s.kafka, "prefix-reader", &ranges, s.validation.limits(), 5_000).unwrap();
+    let mut seen = HashSet::new();
+    let mut counts = BTreeMap::new();
+    while let Some(batch) = reader.next_batch().await.unwrap() {
+        for r in batch {
+            if let Ok(c) = r.outcome {
+                if seen.insert(c.click_id.clone()) {
+                    *counts.entry(BucketKey { ad_id: c.ad_id, minute: c.minute }).or_default() += 1;
+                }
+            }
+        }
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_mid_run_flushes_commits_only_durable_clicks_and_a_restart_rereads_at_most_the_open_batch() {
+    let env = TestEnv::new("sigterm").await;
+    let (records, truth) = env.plan(Spec { count: 80_000, seed: 41, ..Spec::default() });
+    let producer = {
+        let settings = env.settings();
+        let topic = env.topic.clone();
+        let records = records.clone();
+        tokio::spawn(async move { clickagg::produce::send(&settings.kafka, &topic, 4, &records, Some(10_000), |_| {}).await.unwrap() })
+    };
+    let mut first = env.spawn_member("first");
+    first.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(first.terminate(Duration::from_secs(30)), 0, "SIGTERM drains and exits 0");
+
+    // What the member had read when it drained, from its last log line about it.
+    let line = first.lines().into_iter().find(|l| l.contains("drained: everything read")).expect("drain log line");
+    let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+    let last_read: BTreeMap<i32, i64> = serde_json::from_str(v["last_read"].as_str().unwrap()).unwrap();
+    let committed = env.committed_offsets();
+    let n = BatchOffsets::new(env.batch_offsets).unwrap();
+    for (p, &last) in &last_read {
+        let c = committed[p];
+        assert_eq!(c % env.batch_offsets as i64, 0, "partition {p}: {c} is not a batch boundary");
+        // Never past what was read; at most the open batch behind it.
+        assert!(c <= last + 1 && c >= n.start_of(last), "partition {p}: committed {c}, last read {last}");
+    }
+    // Every click behind the committed offsets is in ClickHouse.
+    let behind = counts_below(&env, &committed).await;
+    let billing = env.billing().await;
+    for (k, &c) in &behind {
+        let have = billing.get(k).copied().unwrap_or(0);
+        assert!(have >= c, "{k:?}: {c} clicks behind the committed offsets, {have} in ClickHouse");
+    }
+
+    producer.await.unwrap();
+    let mut second = env.spawn_member("second");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    // The restart began at the committed boundaries: it read each partition from there.
+    let reread = second.metric("clickagg_records_consumed_total", &[]) as i64;
+    let high: i64 = env.high_watermarks().values().sum();
+    let from: i64 = committed.values().sum();
+    assert_eq!(reread, high - from, "the restarted member read exactly from the committed offsets");
+    assert_eq!(second.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_readiness_report_what_happened_in_a_run() {
+    let env = TestEnv::new("metrics").await;
+    let (records, truth) = env.plan(Spec { count: 30_000, malformed_ratio: 0.03, seed: 42, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m");
+    assert_eq!(member.http_get("/livez").0, 200);
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+
+    let (status, body) = member.http_get("/readyz");
+    assert_eq!((status, body.trim()), (200, "ready"));
+    let (_, m) = member.http_get("/metrics");
+    let get = |name: &str, labels: &[&str]| crate::helpers::metric_value(&m, name, labels);
+    assert_eq!(get("clickagg_records_consumed_total", &[]) as u64, records.len() as u64);
+    assert_eq!(get("clickagg_clicks_counted_total", &[]) as u64, truth.clicks);
+    assert_eq!(get("clickagg_duplicates_dropped_total", &[]) as u64, truth.duplicates);
+    assert_eq!(get("clickagg_dead_letters_produced_total", &[]) as u64, truth.malformed_total());
+    for reason in RejectReason::ALL {
+        let want = truth.malformed.get(&reason).copied().unwrap_or(0);
+        assert_eq!(get("clickagg_invalid_records_total", &[&format!("reason=\"{reason}\"")]) as u64, want, "{reason}");
+    }
+    let rows = get("clickagg_rows_flushed_total", &[]);
+    assert!(rows > 0.0 && get("clickagg_flush_duration_seconds_count", &[]) > 0.0);
+    assert!(m.contains("clickagg_flush_duration_seconds_bucket{le=\"0.005\"}"), "explicit histogram buckets");
+    assert_eq!(get("clickagg_assigned_partitions", &[]), 4.0);
+    assert!(get("clickagg_rebalances_total", &["kind=\"assign\""]) >= 1.0);
+    for p in 0..4 {
+        assert!(m.contains(&format!("clickagg_committed_offset{{partition=\"{p}\"}}")), "committed offset of {p}");
+    }
+    // Lag comes from librdkafka statistics every 5 s.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !member.http_get("/metrics").1.contains("clickagg_consumer_lag{partition=") {
+        assert!(std::time::Instant::now() < deadline, "no consumer lag metric");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(!m.contains("ad_id") && !m.contains("click_id"), "no unbounded labels");
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
+
+/// Secrets from a file, the environment and flags reach their services and never
+/// any output: logs, errors, `clickagg config`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
+    // A private Redis whose only user is an ACL user with a password.
+    let stack = PrivateStack::start("secrets", &["redis"]);
+    let mut env = TestEnv::with_stack("secrets", &stack).await;
+    let redis_secret = format!("redis-pw-{:x}", rand::random::<u64>());
+    {
+        let mut c = redis::Client::open(env.redis_url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let _: () = redis::cmd("ACL")
+            .arg(&["SETUSER", "clickagg", "on", &format!(">{redis_secret}"), "~*", "+@all"][..])
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        let _: () = redis::cmd("ACL").arg(&["SETUSER", "default", "off"][..]).query_async(&mut c).await.unwrap();
+    }
+    // Kafka over SASL/PLAIN (the stack's SASL listener); its password only in the file.
+    let kafka_secret = "clickagg-local-secret";
+    let clickhouse_secret = "clickagg-local-password";
+    let config = env.log_dir.join("clickagg.toml");
+    std::fs::write(&config, format!("[kafka]\nsasl_password = \"{kafka_secret}\"\n")).unwrap();
+    env.extra_env.extend(
+        [
+            ("CLICKAGG__KAFKA__BROKERS", "127.0.0.1:9094"),
+            ("CLICKAGG__KAFKA__SECURITY_PROTOCOL", "sasl_plaintext"),
+            ("CLICKAGG__KAFKA__SASL_MECHANISM", "PLAIN"),
+            ("CLICKAGG__KAFKA__SASL_USERNAME", "clickagg"),
+            ("CLICKAGG__REDIS__USERNAME", "clickagg"),
+            ("CLICKAGG__REDIS__PASSWORD", redis_secret.as_str()),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
+    let config_arg = config.display().to_string();
+    let flags = ["--config", config_arg.as_str(), "--clickhouse-user", "clickagg", "--clickhouse-password", clickhouse_secret];
+    let secrets = [kafka_secret, clickhouse_secret, redis_secret.as_str()];
+    let assert_clean = |what: &str, output: &str| {
+        for s in &secrets {
+            assert!(!output.contains(s), "{what} printed a secret:\n{output}");
+        }
+    };
+
+    let (records, truth) = env.plan(Spec { count: 20_000, seed: 43, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn("m", &[&flags[..], &["run"]].concat(), &[]);
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_clean("run", &member.output());
+
+    let mut config = env.spawn("config", &[&flags[..], &["config"]].concat(), &[]);
+    assert_eq!(config.wait(Duration::from_secs(30)), 0);
+    let printed = config.output();
+    assert_clean("config", &printed);
+    assert!(printed.contains("sasl_password = \"[redacted]\"") && printed.contains("password = \"[redacted]\""), "{printed}");
+
+    // Wrong credentials fail clearly, and the wrong secret does not leak either.
+    for (label, extra) in [
+        ("bad-clickhouse", ("CLICKAGG__CLICKHOUSE__PASSWORD", "wrong-ch-hunter2")),
+        ("bad-redis", ("CLICKAGG__REDIS__PASSWORD", "wrong-redis-hunter2")),
+        ("bad-kafka", ("CLICKAGG__KAFKA__SASL_PASSWORD", "wrong-kafka-hunter2")),
+    ] {
+        let args: Vec<&str> = if label == "bad-clickhouse" { vec!["--config", &config_arg, "--clickhouse-user", "clickagg", "run"] } else { [&flags[..], &["run"]].concat() };
+        let mut bad = env.spawn(label, &args, &[extra]);
+        if label == "bad-redis" {
+            // Redis refuses at the first poll batch; give it records to claim.
+            env.send(&records[..10], 4, None).await;
+        }
+        let code = bad.wait(Duration::from_secs(90));
+        let out = bad.output();
+        assert_eq!(code, 1, "{label} should stop with a clear error:\n{out}");
+        assert!(!out.contains("hunter2"), "{label} printed the wrong secret:\n{out}");
+        assert_clean(label, &out);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scram_sha_256_and_512_connect_producer_and_member() {
+    let mut env = TestEnv::new("scram").await;
+    let (_, truth) = env.plan(Spec { count: 5_000, seed: 44, ..Spec::default() });
+    // Produce over SCRAM-SHA-256 with the CLI, consume over SCRAM-SHA-512.
+    let sasl = |mechanism: &str| {
+        vec![
+            ("CLICKAGG__KAFKA__BROKERS".to_string(), "127.0.0.1:9094".to_string()),
+            ("CLICKAGG__KAFKA__SECURITY_PROTOCOL".to_string(), "sasl_plaintext".to_string()),
+            ("CLICKAGG__KAFKA__SASL_MECHANISM".to_string(), mechanism.to_string()),
+            ("CLICKAGG__KAFKA__SASL_USERNAME".to_string(), "clickagg".to_string()),
+            ("CLICKAGG__KAFKA__SASL_PASSWORD".to_string(), "clickagg-local-secret".to_string()),
+        ]
+    };
+    env.extra_env = sasl("SCRAM-SHA-256");
+    let truth_file = env.log_dir.join("truth.csv");
+    let truth_arg = truth_file.display().to_string();
+    let mut producer = env.spawn("produce", &["produce", "--count", "5000", "--seed", "44", "--truth", &truth_arg], &[]);
+    assert_eq!(producer.wait(Duration::from_secs(120)), 0, "{}", producer.output());
+    let produced = clickagg::produce::Truth::read_csv(&truth_file).unwrap();
+    assert_eq!(produced.values().sum::<u64>(), truth.clicks, "the CLI's generator matches the library's");
+
+    env.extra_env = sasl("SCRAM-SHA-512");
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&produced, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}

@@ -1,0 +1,299 @@
+//! `clickagg query`: what it prints, in every format, equals the ground truth bucketed
+//! here independently of the SQL; and a row replaced by a later version is never
+//! summed twice.
+
+use std::collections::BTreeMap;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use clickagg::aggregate::{BatchRow, BucketKey};
+use clickagg::click::Minute;
+use clickagg::produce::{Spec, Truth};
+use clickagg::query::{self, By, Format, QueryArgs};
+use clickhouse::Row;
+use serde::Deserialize;
+
+use crate::helpers::{TestEnv, BIN};
+
+const CONVERGE: Duration = Duration::from_secs(180);
+const MINUTE: u32 = 60;
+const HOUR: u32 = 3_600;
+const DAY: u32 = 86_400;
+
+/// One `clickagg query` invocation and the rows it must print.
+struct Case {
+    what: &'static str,
+    from: u32,
+    to: u32,
+    ads: Vec<u64>,
+    by: &'static str,
+    top: Option<usize>,
+}
+
+/// (ad_id, bucket start in Unix seconds, clicks), in the order the command prints.
+type Rows = Vec<(u64, u32, u64)>;
+
+/// The rows `case` must print, from the ground truth alone: UTC buckets are plain
+/// integer division, so this shares nothing with the SQL.
+fn expected(truth: &BTreeMap<BucketKey, u64>, case: &Case) -> Rows {
+    let width = match case.by {
+        "minute" => MINUTE,
+        "hour" => HOUR,
+        "day" => DAY,
+        other => panic!("unknown bucket {other}"),
+    };
+    let mut buckets: BTreeMap<(u64, u32), u64> = BTreeMap::new();
+    for (k, clicks) in truth {
+        let m = k.minute.epoch_seconds();
+        if m < case.from || m >= case.to || !(case.ads.is_empty() || case.ads.contains(&k.ad_id)) {
+            continue;
+        }
+        *buckets.entry((k.ad_id, m - m % width)).or_default() += clicks;
+    }
+    let rows: Rows = buckets.into_iter().map(|((ad, bucket), clicks)| (ad, bucket, clicks)).collect();
+    let Some(n) = case.top else { return rows };
+    let mut totals: BTreeMap<u64, u64> = BTreeMap::new();
+    for (ad, _, clicks) in &rows {
+        *totals.entry(*ad).or_default() += clicks;
+    }
+    let mut ranked: Vec<(u64, u64)> = totals.into_iter().collect();
+    ranked.sort_by_key(|&(ad, total)| (std::cmp::Reverse(total), ad));
+    ranked.truncate(n);
+    let mut top_rows: Rows = Vec::new();
+    for (ad, _) in ranked {
+        top_rows.extend(rows.iter().filter(|r| r.0 == ad));
+    }
+    top_rows
+}
+
+fn rfc3339(secs: u32) -> String {
+    Minute::from_epoch_seconds(secs).to_rfc3339()
+}
+
+fn parse_bucket(s: &str) -> u32 {
+    chrono::DateTime::parse_from_rfc3339(s).unwrap_or_else(|e| panic!("bucket {s:?}: {e}")).timestamp() as u32
+}
+
+/// Runs `clickagg query` with this test's settings and returns its standard output.
+fn run_query(env: &TestEnv, case: &Case, format: &str, extra: &[&str]) -> String {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["query", "--from", &rfc3339(case.from), "--to", &rfc3339(case.to), "--by", case.by, "--format", format]);
+    for ad in &case.ads {
+        cmd.args(["--ad", &ad.to_string()]);
+    }
+    if let Some(n) = case.top {
+        cmd.args(["--top", &n.to_string()]);
+    }
+    cmd.args(extra);
+    // The parent's CLICKAGG__ variables must not point the command elsewhere.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("CLICKAGG__") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.member_env()).stdin(Stdio::null());
+    let out = cmd.output().expect("run clickagg query");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{}: {:?}\n{stdout}\n{}", case.what, out.status, String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
+fn parse_json(out: &str) -> Rows {
+    let items: Vec<serde_json::Value> = serde_json::from_str(out).unwrap_or_else(|e| panic!("{e}: {out}"));
+    items
+        .iter()
+        .map(|v| {
+            assert_eq!(v.as_object().unwrap().len(), 3, "{v}");
+            (v["ad_id"].as_u64().unwrap(), parse_bucket(v["bucket"].as_str().unwrap()), v["clicks"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+fn parse_csv(out: &str) -> Rows {
+    let mut lines = out.lines();
+    assert_eq!(lines.next(), Some("ad_id,bucket,clicks"));
+    lines
+        .map(|l| {
+            let f: Vec<&str> = l.split(',').collect();
+            assert_eq!(f.len(), 3, "{l}");
+            (f[0].parse().unwrap(), parse_bucket(f[1]), f[2].parse().unwrap())
+        })
+        .collect()
+}
+
+/// The rows of a table and the number on its total line.
+fn parse_table(out: &str) -> (Rows, u64) {
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(lines[0].split_whitespace().collect::<Vec<_>>(), ["ad_id", "bucket", "clicks"], "{out}");
+    let total_line: Vec<&str> = lines.last().unwrap().split_whitespace().collect();
+    assert_eq!(total_line[0], "total", "{out}");
+    let rows = lines[1..lines.len() - 1]
+        .iter()
+        .map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(f.len(), 3, "{l}");
+            (f[0].parse().unwrap(), parse_bucket(f[1]), f[2].parse().unwrap())
+        })
+        .collect();
+    // Columns are aligned: every line is as wide as the header.
+    assert!(lines[..lines.len() - 1].iter().all(|l| l.len() == lines[0].len()), "{out}");
+    (rows, total_line[1].parse().unwrap())
+}
+
+/// Every format of `case` prints exactly the expected rows.
+fn assert_case(env: &TestEnv, truth: &BTreeMap<BucketKey, u64>, case: &Case) {
+    let want = expected(truth, case);
+    assert_eq!(parse_json(&run_query(env, case, "json", &[])), want, "{} as JSON", case.what);
+    assert_eq!(parse_csv(&run_query(env, case, "csv", &[])), want, "{} as CSV", case.what);
+    let (rows, total) = parse_table(&run_query(env, case, "table", &[]));
+    assert_eq!(rows, want, "{} as a table", case.what);
+    assert_eq!(total, want.iter().map(|r| r.2).sum::<u64>(), "{} table total", case.what);
+}
+
+/// The ads of `truth` by total clicks, largest first.
+fn ads_by_popularity(truth: &Truth) -> Vec<u64> {
+    let mut totals: BTreeMap<u64, u64> = BTreeMap::new();
+    for (k, c) in &truth.counts {
+        *totals.entry(k.ad_id).or_default() += c;
+    }
+    let mut ads: Vec<(u64, u64)> = totals.into_iter().collect();
+    ads.sort_by_key(|&(ad, total)| (std::cmp::Reverse(total), ad));
+    ads.into_iter().map(|(ad, _)| ad).collect()
+}
+
+/// A row of the table with every column, for writing stale copies of stored rows.
+#[derive(Debug, Row, Deserialize)]
+struct StoredRow {
+    ad_id: u64,
+    minute: u32,
+    partition: u32,
+    batch_start: u64,
+    clicks: u64,
+    version: u64,
+}
+
+async fn raw_and_final_sums(env: &TestEnv) -> (u64, u64) {
+    let client = env.sink().client().clone();
+    let raw = client.query("SELECT sum(clicks) FROM ad_clicks_minute").fetch_one::<u64>().await.unwrap();
+    let fin = client.query("SELECT sum(clicks) FROM ad_clicks_minute FINAL").fetch_one::<u64>().await.unwrap();
+    (raw, fin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
+    let env = TestEnv::new("query").await;
+    // Three hours of clicks across yesterday's UTC midnight, so that minute, hour and
+    // day buckets all split the data (the local broker keeps old records: no retention).
+    let now = chrono::Utc::now().timestamp() as u32;
+    let midnight = now - now % DAY - DAY;
+    let start = midnight - 90 * MINUTE;
+    let spec = Spec {
+        count: 40_000,
+        ads: 200,
+        seed: 21,
+        start_ms: i64::from(start) * 1000,
+        span: Duration::from_secs(3 * 3600),
+        ..Spec::default()
+    };
+    let (records, truth) = clickagg::produce::plan(&spec);
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m0");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+
+    let popular = ads_by_popularity(&truth);
+    let minutes = || truth.counts.keys().map(|k| k.minute.epoch_seconds());
+    let (first, last) = (minutes().min().unwrap(), minutes().max().unwrap());
+    assert!(first < midnight && last >= midnight + HOUR, "the data crosses midnight and several hours");
+    let some_ads = vec![popular[0], popular[2], popular[popular.len() - 1], 999_999_999];
+    let cases = [
+        Case { what: "minutes of some ads, mid-hour range", from: start + 17 * MINUTE, to: start + 97 * MINUTE, ads: some_ads.clone(), by: "minute", top: None },
+        Case { what: "hours of every ad", from: midnight - DAY, to: midnight + DAY, ads: vec![], by: "hour", top: None },
+        Case { what: "partial first and last hours", from: midnight - 45 * MINUTE, to: midnight + 70 * MINUTE, ads: some_ads.clone(), by: "hour", top: None },
+        Case { what: "days of every ad", from: midnight - DAY, to: midnight + 2 * DAY, ads: vec![], by: "day", top: None },
+        Case { what: "top 5 ads by hour", from: midnight - DAY, to: midnight + DAY, ads: vec![], by: "hour", top: Some(5) },
+        Case { what: "top 3 of some ads by day", from: midnight - DAY, to: midnight + DAY, ads: popular[5..15].to_vec(), by: "day", top: Some(3) },
+        Case { what: "top 1 ad in the first half hour by minute", from: start, to: start + 30 * MINUTE, ads: vec![], by: "minute", top: Some(1) },
+        Case { what: "a range with no clicks", from: midnight + 5 * DAY, to: midnight + 6 * DAY, ads: vec![], by: "day", top: None },
+    ];
+    for case in &cases {
+        assert_case(&env, &truth.counts, case);
+    }
+
+    // Rows of another topic count by default and are left out with --only-topic.
+    let other_minute = Minute::from_epoch_seconds(midnight + 10 * MINUTE);
+    let other = BatchRow { key: BucketKey { ad_id: popular[0], minute: other_minute }, partition: 0, batch_start: 0, clicks: 1_000, version: 5 };
+    env.sink().insert("another-topic", &[other]).await.unwrap();
+    let mut with_other = truth.counts.clone();
+    *with_other.entry(BucketKey { ad_id: popular[0], minute: other_minute }).or_default() += 1_000;
+    assert_case(&env, &with_other, &cases[3]);
+    let only = parse_json(&run_query(&env, &cases[3], "json", &["--only-topic", &env.topic]));
+    assert_eq!(only, expected(&truth.counts, &cases[3]), "--only-topic leaves the other topic out");
+
+    // Stale copies of stored rows: a zombie's lower-version write with a *larger* count
+    // (so neither a double sum nor max(clicks) could hide) and an exact repeat. Merges
+    // are stopped so the copies stay in their own parts and only FINAL can drop them.
+    let sink = env.sink();
+    sink.execute("SYSTEM STOP MERGES ad_clicks_minute").await.unwrap();
+    let stored: Vec<StoredRow> = sink
+        .client()
+        .query(&format!(
+            "SELECT ad_id, toUInt32(minute) AS minute, partition, batch_start, clicks, version \
+             FROM ad_clicks_minute FINAL WHERE topic = '{}' AND version > batch_start ORDER BY ad_id, minute LIMIT 50",
+            env.topic
+        ))
+        .fetch_all()
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 50);
+    let stale: Vec<BatchRow> = stored
+        .iter()
+        .flat_map(|r| {
+            let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
+            let row = |clicks, version| BatchRow { key, partition: r.partition as i32, batch_start: r.batch_start as i64, clicks, version };
+            [row(r.clicks + 1_000, r.version as i64 - 1), row(r.clicks, r.version as i64)]
+        })
+        .collect();
+    sink.insert(&env.topic, &stale).await.unwrap();
+    let (raw, fin) = raw_and_final_sums(&env).await;
+    assert!(raw > fin, "the stale rows are stored ({raw} without FINAL, {fin} with)");
+    for case in &cases {
+        assert_case(&env, &with_other, case);
+    }
+    sink.execute("SYSTEM START MERGES ad_clicks_minute").await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
+    let env = TestEnv::new("queryversions").await;
+    let sink = env.sink();
+    sink.execute("SYSTEM STOP MERGES ad_clicks_minute").await.unwrap();
+    let minute = Minute::from_epoch_seconds(1_795_996_800 + 8 * HOUR); // 2026-11-30T08:00:00Z
+    let key = BucketKey { ad_id: 17, minute };
+    let row = |batch_start, clicks, version| BatchRow { key, partition: 0, batch_start, clicks, version };
+    // Batch 0 flushed at offsets 5 and 9, then a zombie replays offset 7; batch 1000
+    // holds 2 more clicks of the same minute. One insert each: one part each.
+    for r in [row(0, 3, 5), row(0, 5, 9), row(0, 4, 7), row(1_000, 2, 1_500)] {
+        sink.insert(&env.topic, &[r]).await.unwrap();
+    }
+    assert_eq!(raw_and_final_sums(&env).await, (14, 7));
+
+    let args = |by| QueryArgs {
+        from: query::parse_time("2026-11-30").unwrap(),
+        to: query::parse_time("2026-12-01").unwrap(),
+        ads: vec![],
+        by,
+        top: None,
+        format: Format::Table,
+        only_topic: None,
+        print_sql: false,
+    };
+    for (by, bucket) in [(By::Minute, "2026-11-30T08:00:00Z"), (By::Hour, "2026-11-30T08:00:00Z"), (By::Day, "2026-11-30T00:00:00Z")] {
+        let rows = query::query(&sink, &args(by)).await.unwrap();
+        assert_eq!(rows.len(), 1, "{by:?}: {rows:?}");
+        assert_eq!((rows[0].ad_id, rows[0].bucket_rfc3339().as_str(), rows[0].clicks), (17, bucket, 7), "{by:?}");
+    }
+    let top = query::query(&sink, &QueryArgs { top: Some(1), ..args(By::Day) }).await.unwrap();
+    assert_eq!(top.iter().map(|r| r.clicks).sum::<u64>(), 7);
+    sink.execute("SYSTEM START MERGES ad_clicks_minute").await.unwrap();
+}
