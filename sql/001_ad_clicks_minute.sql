@@ -6,7 +6,7 @@
 -- A retried, replayed or zombie flush writes the same (clicks, version) or a smaller
 -- version, which loses: ReplacingMergeTree(version) keeps the row with the highest
 -- version per sorting key. Read with FINAL (or argMax(clicks, version)) and sum over
--- batches; see billing_minute.sql.
+-- batches; see billing.sql.
 CREATE TABLE IF NOT EXISTS ad_clicks_minute
 (
     ad_id       UInt64,

@@ -5,19 +5,26 @@
 -- which keeps only the highest version per (ad_id, minute, topic, partition,
 -- batch_start) even before the background merges ran; the batches of a bucket are then
 -- summed. Every filter is on a sorting-key column, so it gives the same rows whether
--- the server applies it before or after the FINAL merge.
+-- the server applies it before or after the FINAL merge. (argMax(clicks, version) per
+-- batch row is exact too, but it holds every key of the range in memory.)
+--
+-- The ad filter is `all_ads OR ad_id IN (...)`, not `empty(ads) OR has(ads, ad_id)`:
+-- ClickHouse 18.16 folds a literal 0/1 but not empty(...) when it picks granules by
+-- the primary key, and with the latter one ad over one day reads the whole range of
+-- every ad (6 M rows instead of 40 k in scripts/bench-query).
 --
 -- Parameters:
 --   from, to  bucket range [from, to), UTC: '2026-11-30 00:00:00' or Unix seconds
 --   by        'minute', 'hour' or 'day'
---   ads       '[]' for every ad, '[17,42]' for some
+--   all_ads   1: every ad, `ads` is ignored; 0: only the ads in `ads`
+--   ads       the ads when all_ads = 0, e.g. '[17,42]' ('[]' otherwise)
 --   topic     '' for every topic, or one Kafka topic
 --
 -- Run it with a current clickhouse-client, which sends the parameters to the server:
 --
 --   clickhouse-client --database clickagg \
 --     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
---     --param_by=hour --param_ads='[]' --param_topic='' \
+--     --param_by=hour --param_all_ads=1 --param_ads='[]' --param_topic='' \
 --     < sql/billing.sql
 --
 -- ClickHouse 18.16 knows no query parameters: there, `clickagg query --print-sql ...`
@@ -33,7 +40,7 @@ SELECT
 FROM ad_clicks_minute FINAL
 WHERE minute >= {from:DateTime('UTC')}
   AND minute < {to:DateTime('UTC')}
-  AND (empty({ads:Array(UInt64)}) OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+  AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
   AND ({topic:String} = '' OR topic = {topic:String})
 GROUP BY ad_id, bucket
 ORDER BY ad_id, bucket

@@ -3,15 +3,15 @@
 -- UTC) in that range. Read through FINAL like sql/billing.sql; see there why that is
 -- exact.
 --
--- Parameters: those of sql/billing.sql (from, to, by, ads, topic; `ads` narrows the
--- candidates), and
+-- Parameters: those of sql/billing.sql (from, to, by, all_ads, ads, topic; the ads
+-- filter narrows the candidates), and
 --   top       how many ads, e.g. 10
 --
 -- Run it with a current clickhouse-client:
 --
 --   clickhouse-client --database clickagg \
 --     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
---     --param_by=day --param_ads='[]' --param_topic='' --param_top=10 \
+--     --param_by=day --param_all_ads=1 --param_ads='[]' --param_topic='' --param_top=10 \
 --     < sql/billing_top.sql
 --
 -- The rows come ordered by ad_id; `clickagg query --top N` lists the ads by their
@@ -32,7 +32,7 @@ WHERE minute >= {from:DateTime('UTC')}
       FROM ad_clicks_minute FINAL
       WHERE minute >= {from:DateTime('UTC')}
         AND minute < {to:DateTime('UTC')}
-        AND (empty({ads:Array(UInt64)}) OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+        AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
         AND ({topic:String} = '' OR topic = {topic:String})
       GROUP BY ad_id
       ORDER BY sum(clicks) DESC, ad_id

@@ -31,6 +31,8 @@ pub enum Command {
     Produce(ProduceArgs),
     /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 only on an exact match.
     Verify(VerifyArgs),
+    /// Billing counts from ClickHouse per ad and minute, hour or day, exact (read through FINAL).
+    Query(crate::query::QueryArgs),
     /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
     Replay(crate::replay::ReplayArgs),
     /// Recount distinct clicks from the topic for a time range and diff against ClickHouse.

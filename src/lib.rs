@@ -16,6 +16,7 @@
 //! - [`pipeline`]: the one loop wiring the stages for a consumer-group member.
 //! - [`health`]: `/metrics`, `/livez`, `/readyz`.
 //! - [`replay`]: backfill by re-reading a range of the topic through the same stages.
+//! - [`query`]: billing counts per ad and minute, hour or day, read through `FINAL`.
 //! - [`reconcile`]: an independent recount of the topic, diffed against ClickHouse.
 //! - [`produce`], [`verify`]: the seeded load generator with its ground truth, and the diff.
 //! - [`cli`], [`commands`]: flags and one function per subcommand.
@@ -32,6 +33,7 @@ pub mod dedup;
 pub mod health;
 pub mod pipeline;
 pub mod produce;
+pub mod query;
 pub mod reconcile;
 pub mod replay;
 pub mod sink;

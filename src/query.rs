@@ -73,7 +73,8 @@ pub struct QueryArgs {
     /// Bucket width (UTC).
     #[arg(long, value_enum, default_value_t = By::Minute)]
     pub by: By,
-    /// Only the N ads with the most clicks in the range.
+    /// Only the N ads with the most clicks in the whole range (ties: the lower ad ID),
+    /// listed by that total, largest first.
     #[arg(long, value_name = "N")]
     pub top: Option<u64>,
     /// Output format.
@@ -123,6 +124,7 @@ pub fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
 pub enum Param {
     DateTimeUtc(u32),
     String(String),
+    UInt8(u8),
     UInt64(u64),
     ArrayUInt64(Vec<u64>),
 }
@@ -134,6 +136,7 @@ impl Param {
         match self {
             Param::DateTimeUtc(_) => "DateTime('UTC')",
             Param::String(_) => "String",
+            Param::UInt8(_) => "UInt8",
             Param::UInt64(_) => "UInt64",
             Param::ArrayUInt64(_) => "Array(UInt64)",
         }
@@ -141,11 +144,13 @@ impl Param {
 
     /// The value as a ClickHouse 18.16-compatible literal. Typed explicitly where the
     /// bare literal would have another type (an empty `[]` has no element type).
-    /// A plain number for UInt64: it also has to work after `LIMIT`.
+    /// Plain numbers for the integers: they also have to work after `LIMIT`, and a
+    /// literal 0 or 1 is what 18.16 folds when it picks granules by the primary key.
     fn literal(&self) -> String {
         match self {
             Param::DateTimeUtc(secs) => format!("toDateTime({secs}, 'UTC')"),
             Param::String(s) => quote_literal(s),
+            Param::UInt8(n) => n.to_string(),
             Param::UInt64(n) => n.to_string(),
             Param::ArrayUInt64(v) => {
                 let items: Vec<String> = v.iter().map(u64::to_string).collect();
@@ -159,11 +164,7 @@ impl Param {
 /// comment lines (they show placeholders too, in the examples). Every placeholder must
 /// have a parameter of its declared type, and every parameter must be used.
 pub fn substitute(sql: &str, params: &[(&str, Param)]) -> Result<String> {
-    let body: String = sql
-        .lines()
-        .filter(|l| !l.trim_start().starts_with("--"))
-        .map(|l| format!("{l}\n"))
-        .collect();
+    let body: String = sql.lines().filter(|l| !l.trim_start().starts_with("--")).map(|l| format!("{l}\n")).collect();
     let mut out = String::with_capacity(body.len());
     let mut used = vec![false; params.len()];
     let mut rest = body.as_str();
@@ -171,7 +172,8 @@ pub fn substitute(sql: &str, params: &[(&str, Param)]) -> Result<String> {
         out.push_str(&rest[..open]);
         let close = rest[open..].find('}').ok_or_else(|| anyhow!("unclosed '{{' in SQL"))? + open;
         let inner = &rest[open + 1..close];
-        let (name, ty) = inner.split_once(':').ok_or_else(|| anyhow!("'{{{inner}}}' is not a {{name:Type}} placeholder"))?;
+        let (name, ty) =
+            inner.split_once(':').ok_or_else(|| anyhow!("'{{{inner}}}' is not a {{name:Type}} placeholder"))?;
         let i = params
             .iter()
             .position(|(n, _)| *n == name.trim())
@@ -192,7 +194,8 @@ pub fn substitute(sql: &str, params: &[(&str, Param)]) -> Result<String> {
 }
 
 fn epoch_seconds(t: DateTime<Utc>, flag: &str) -> Result<u32> {
-    u32::try_from(t.timestamp()).map_err(|_| anyhow!("--{flag} {t} is outside what ClickHouse DateTime holds (1970..2106)"))
+    u32::try_from(t.timestamp())
+        .map_err(|_| anyhow!("--{flag} {t} is outside what ClickHouse DateTime holds (1970..2106)"))
 }
 
 /// The billing SQL for `args`, with the values written in.
@@ -202,10 +205,14 @@ pub fn sql(args: &QueryArgs) -> Result<String> {
     if from >= to {
         bail!("--from must be before --to (the range is [from, to))");
     }
+    if args.only_topic.as_deref() == Some("") {
+        bail!("--only-topic must not be empty (leave it out for every topic)");
+    }
     let mut params = vec![
         ("from", Param::DateTimeUtc(from)),
         ("to", Param::DateTimeUtc(to)),
         ("by", Param::String(args.by.as_sql().to_string())),
+        ("all_ads", Param::UInt8(u8::from(args.ads.is_empty()))),
         ("ads", Param::ArrayUInt64(args.ads.clone())),
         ("topic", Param::String(args.only_topic.clone().unwrap_or_default())),
     ];
@@ -217,9 +224,6 @@ pub fn sql(args: &QueryArgs) -> Result<String> {
             BILLING_TOP_SQL
         }
     };
-    if args.only_topic.as_deref() == Some("") {
-        bail!("--only-topic must not be empty (leave it out for every topic)");
-    }
     substitute(file, &params)
 }
 
@@ -272,7 +276,8 @@ pub fn render(rows: &[BillingRow], format: Format) -> String {
                 rows.iter().map(|r| (r.ad_id.to_string(), r.bucket_rfc3339(), r.clicks.to_string())).collect();
             let ad_w = cells.iter().map(|c| c.0.len()).chain(["ad_id".len(), "total".len()]).max().unwrap_or(0);
             let bucket_w = "2026-11-30T08:00:00Z".len();
-            let clicks_w = cells.iter().map(|c| c.2.len()).chain(["clicks".len(), total.to_string().len()]).max().unwrap_or(0);
+            let clicks_w =
+                cells.iter().map(|c| c.2.len()).chain(["clicks".len(), total.to_string().len()]).max().unwrap_or(0);
             let _ = writeln!(out, "{:>ad_w$}  {:<bucket_w$}  {:>clicks_w$}", "ad_id", "bucket", "clicks");
             for (ad, bucket, clicks) in &cells {
                 let _ = writeln!(out, "{ad:>ad_w$}  {bucket:<bucket_w$}  {clicks:>clicks_w$}");
@@ -292,9 +297,8 @@ pub async fn run(settings: &Settings, args: &QueryArgs) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let sink = Sink::new(&settings.clickhouse);
-    let rows = query(&sink, args)
-        .await
-        .with_context(|| format!("querying billing counts in database {}", sink.database()))?;
+    let rows =
+        query(&sink, args).await.with_context(|| format!("querying billing counts in database {}", sink.database()))?;
     print!("{}", render(&rows, args.format));
     Ok(ExitCode::SUCCESS)
 }
@@ -365,7 +369,8 @@ mod tests {
 
     #[test]
     fn comment_lines_are_dropped_with_the_placeholders_in_their_examples() {
-        let out = substitute("-- run with --param_x={x:UInt64}\nSELECT {x:UInt64}\n", &[("x", Param::UInt64(3))]).unwrap();
+        let out =
+            substitute("-- run with --param_x={x:UInt64}\nSELECT {x:UInt64}\n", &[("x", Param::UInt64(3))]).unwrap();
         assert_eq!(out, "SELECT 3");
     }
 
@@ -384,8 +389,15 @@ mod tests {
                 assert!(sql.contains(&format!("'{}'", by.as_sql())));
                 assert!(sql.contains("toDateTime(1796083200, 'UTC')"), "--to is 2026-12-01T00:00:00Z");
                 assert_eq!(sql.contains("LIMIT 10"), top.is_some());
+                assert!(sql.contains("(0 OR ad_id IN (SELECT arrayJoin(CAST([17, 42] AS Array(UInt64)))))"), "{sql}");
             }
         }
+    }
+
+    #[test]
+    fn no_ad_flag_means_every_ad_through_a_literal_the_index_analysis_can_fold() {
+        let sql = sql(&args("2026-11-30", "2026-12-01")).unwrap();
+        assert!(sql.contains("(1 OR ad_id IN (SELECT arrayJoin(CAST([] AS Array(UInt64)))))"), "{sql}");
     }
 
     #[test]

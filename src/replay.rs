@@ -355,8 +355,8 @@ mod tests {
     fn positions_parse_from_the_command_line() {
         assert_eq!("earliest".parse::<StartAt>().unwrap(), StartAt::Earliest);
         assert_eq!("0:10,3:42".parse::<StartAt>().unwrap(), StartAt::Offsets(BTreeMap::from([(0, 10), (3, 42)])));
-        assert_eq!("2026-11-30T00:00:00Z".parse::<StartAt>().unwrap(), StartAt::Time(1_796_083_200_000));
-        assert_eq!("2026-11-30".parse::<StopAt>().unwrap(), StopAt::Time(1_796_083_200_000));
+        assert_eq!("2026-11-30T00:00:00Z".parse::<StartAt>().unwrap(), StartAt::Time(1_795_996_800_000));
+        assert_eq!("2026-11-30".parse::<StopAt>().unwrap(), StopAt::Time(1_795_996_800_000));
         assert_eq!("latest".parse::<StopAt>().unwrap(), StopAt::Latest);
         assert!("yesterday".parse::<StopAt>().is_err());
         assert!("nonsense".parse::<StartAt>().is_err());

@@ -9,3 +9,4 @@ mod exactly_once;
 mod faults;
 mod helpers;
 mod operability;
+mod query;

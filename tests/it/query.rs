@@ -94,7 +94,13 @@ fn run_query(env: &TestEnv, case: &Case, format: &str, extra: &[&str]) -> String
     cmd.envs(env.member_env()).stdin(Stdio::null());
     let out = cmd.output().expect("run clickagg query");
     let stdout = String::from_utf8(out.stdout).unwrap();
-    assert!(out.status.success(), "{}: {:?}\n{stdout}\n{}", case.what, out.status, String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}: {:?}\n{stdout}\n{}",
+        case.what,
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
     stdout
 }
 
@@ -140,13 +146,29 @@ fn parse_table(out: &str) -> (Rows, u64) {
     (rows, total_line[1].parse().unwrap())
 }
 
+/// Fails with the first difference only: two dumps of hundreds of rows are unreadable.
+fn assert_rows(actual: &Rows, want: &Rows, what: &str) {
+    if actual == want {
+        return;
+    }
+    let at = actual.iter().zip(want).position(|(a, w)| a != w).unwrap_or(actual.len().min(want.len()));
+    let window = |rows: &Rows| rows[at.min(rows.len())..(at + 3).min(rows.len())].to_vec();
+    panic!(
+        "{what}: {} rows, expected {}; from row {at} got {:?}, expected {:?}",
+        actual.len(),
+        want.len(),
+        window(actual),
+        window(want)
+    );
+}
+
 /// Every format of `case` prints exactly the expected rows.
 fn assert_case(env: &TestEnv, truth: &BTreeMap<BucketKey, u64>, case: &Case) {
     let want = expected(truth, case);
-    assert_eq!(parse_json(&run_query(env, case, "json", &[])), want, "{} as JSON", case.what);
-    assert_eq!(parse_csv(&run_query(env, case, "csv", &[])), want, "{} as CSV", case.what);
+    assert_rows(&parse_json(&run_query(env, case, "json", &[])), &want, &format!("{} as JSON", case.what));
+    assert_rows(&parse_csv(&run_query(env, case, "csv", &[])), &want, &format!("{} as CSV", case.what));
     let (rows, total) = parse_table(&run_query(env, case, "table", &[]));
-    assert_eq!(rows, want, "{} as a table", case.what);
+    assert_rows(&rows, &want, &format!("{} as a table", case.what));
     assert_eq!(total, want.iter().map(|r| r.2).sum::<u64>(), "{} table total", case.what);
 }
 
@@ -207,14 +229,70 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
     assert!(first < midnight && last >= midnight + HOUR, "the data crosses midnight and several hours");
     let some_ads = vec![popular[0], popular[2], popular[popular.len() - 1], 999_999_999];
     let cases = [
-        Case { what: "minutes of some ads, mid-hour range", from: start + 17 * MINUTE, to: start + 97 * MINUTE, ads: some_ads.clone(), by: "minute", top: None },
-        Case { what: "hours of every ad", from: midnight - DAY, to: midnight + DAY, ads: vec![], by: "hour", top: None },
-        Case { what: "partial first and last hours", from: midnight - 45 * MINUTE, to: midnight + 70 * MINUTE, ads: some_ads.clone(), by: "hour", top: None },
-        Case { what: "days of every ad", from: midnight - DAY, to: midnight + 2 * DAY, ads: vec![], by: "day", top: None },
-        Case { what: "top 5 ads by hour", from: midnight - DAY, to: midnight + DAY, ads: vec![], by: "hour", top: Some(5) },
-        Case { what: "top 3 of some ads by day", from: midnight - DAY, to: midnight + DAY, ads: popular[5..15].to_vec(), by: "day", top: Some(3) },
-        Case { what: "top 1 ad in the first half hour by minute", from: start, to: start + 30 * MINUTE, ads: vec![], by: "minute", top: Some(1) },
-        Case { what: "a range with no clicks", from: midnight + 5 * DAY, to: midnight + 6 * DAY, ads: vec![], by: "day", top: None },
+        Case {
+            what: "minutes of some ads, mid-hour range",
+            from: start + 17 * MINUTE,
+            to: start + 97 * MINUTE,
+            ads: some_ads.clone(),
+            by: "minute",
+            top: None,
+        },
+        Case {
+            what: "hours of every ad",
+            from: midnight - DAY,
+            to: midnight + DAY,
+            ads: vec![],
+            by: "hour",
+            top: None,
+        },
+        Case {
+            what: "partial first and last hours",
+            from: midnight - 45 * MINUTE,
+            to: midnight + 70 * MINUTE,
+            ads: some_ads.clone(),
+            by: "hour",
+            top: None,
+        },
+        Case {
+            what: "days of every ad",
+            from: midnight - DAY,
+            to: midnight + 2 * DAY,
+            ads: vec![],
+            by: "day",
+            top: None,
+        },
+        Case {
+            what: "top 5 ads by hour",
+            from: midnight - DAY,
+            to: midnight + DAY,
+            ads: vec![],
+            by: "hour",
+            top: Some(5),
+        },
+        Case {
+            what: "top 3 of some ads by day",
+            from: midnight - DAY,
+            to: midnight + DAY,
+            ads: popular[5..15].to_vec(),
+            by: "day",
+            top: Some(3),
+        },
+        Case {
+            what: "top 1 ad in the first half hour by minute",
+            from: start,
+            to: start + 30 * MINUTE,
+            ads: vec![],
+            by: "minute",
+            top: Some(1),
+        },
+        Case {
+            what: "a range with no clicks",
+            from: midnight + 5 * DAY,
+            to: midnight + 6 * DAY,
+            ads: vec![],
+            by: "day",
+            top: None,
+        },
     ];
     for case in &cases {
         assert_case(&env, &truth.counts, case);
@@ -222,13 +300,19 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
 
     // Rows of another topic count by default and are left out with --only-topic.
     let other_minute = Minute::from_epoch_seconds(midnight + 10 * MINUTE);
-    let other = BatchRow { key: BucketKey { ad_id: popular[0], minute: other_minute }, partition: 0, batch_start: 0, clicks: 1_000, version: 5 };
+    let other = BatchRow {
+        key: BucketKey { ad_id: popular[0], minute: other_minute },
+        partition: 0,
+        batch_start: 0,
+        clicks: 1_000,
+        version: 5,
+    };
     env.sink().insert("another-topic", &[other]).await.unwrap();
     let mut with_other = truth.counts.clone();
     *with_other.entry(BucketKey { ad_id: popular[0], minute: other_minute }).or_default() += 1_000;
     assert_case(&env, &with_other, &cases[3]);
     let only = parse_json(&run_query(&env, &cases[3], "json", &["--only-topic", &env.topic]));
-    assert_eq!(only, expected(&truth.counts, &cases[3]), "--only-topic leaves the other topic out");
+    assert_rows(&only, &expected(&truth.counts, &cases[3]), "--only-topic leaves the other topic out");
 
     // Stale copies of stored rows: a zombie's lower-version write with a *larger* count
     // (so neither a double sum nor max(clicks) could hide) and an exact repeat. Merges
@@ -250,7 +334,13 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
         .iter()
         .flat_map(|r| {
             let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
-            let row = |clicks, version| BatchRow { key, partition: r.partition as i32, batch_start: r.batch_start as i64, clicks, version };
+            let row = |clicks, version| BatchRow {
+                key,
+                partition: r.partition as i32,
+                batch_start: r.batch_start as i64,
+                clicks,
+                version,
+            };
             [row(r.clicks + 1_000, r.version as i64 - 1), row(r.clicks, r.version as i64)]
         })
         .collect();
@@ -288,7 +378,9 @@ async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
         only_topic: None,
         print_sql: false,
     };
-    for (by, bucket) in [(By::Minute, "2026-11-30T08:00:00Z"), (By::Hour, "2026-11-30T08:00:00Z"), (By::Day, "2026-11-30T00:00:00Z")] {
+    for (by, bucket) in
+        [(By::Minute, "2026-11-30T08:00:00Z"), (By::Hour, "2026-11-30T08:00:00Z"), (By::Day, "2026-11-30T00:00:00Z")]
+    {
         let rows = query::query(&sink, &args(by)).await.unwrap();
         assert_eq!(rows.len(), 1, "{by:?}: {rows:?}");
         assert_eq!((rows[0].ad_id, rows[0].bucket_rfc3339().as_str(), rows[0].clicks), (17, bucket, 7), "{by:?}");
