@@ -48,6 +48,13 @@ impl Flush {
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty() && self.commits.is_empty()
     }
+
+    /// Combines two cuts into one flush: once all rows are durable, every commit holds
+    /// (the later cut's commits win for the partitions they name).
+    pub fn merge(&mut self, later: Flush) {
+        self.rows.extend(later.rows);
+        self.commits.extend(later.commits);
+    }
 }
 
 /// The batch size in offsets (`N`). Part of every batch's identity: changing it for a

@@ -13,7 +13,8 @@
 //! - [`dedup`]: the Redis owner-token claim (`SET … NX GET`), pipelined per poll batch.
 //! - [`aggregate`]: pure per-partition, offset-aligned batches of counts → flushes.
 //! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
-//! - [`pipeline`]: the one loop wiring the stages for a consumer-group member.
+//! - [`pipeline`]: the stages' state and what they do to a poll batch.
+//! - [`member`]: the consumer-group loop, rebalance callbacks and the drain.
 //! - [`health`]: `/metrics`, `/livez`, `/readyz`.
 //! - [`replay`]: backfill by re-reading a range of the topic through the same stages.
 //! - [`query`]: billing counts per ad and minute, hour or day, read through `FINAL`.
@@ -31,6 +32,7 @@ pub mod config;
 pub mod dead_letter;
 pub mod dedup;
 pub mod health;
+pub mod member;
 pub mod pipeline;
 pub mod produce;
 pub mod query;
