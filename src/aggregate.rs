@@ -255,7 +255,7 @@ fn held(state: &PartitionState) -> usize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::collections::{BTreeMap, HashSet};
+    use std::collections::BTreeMap;
 
     fn key(ad_id: u64, minute: u32) -> BucketKey {
         BucketKey { ad_id, minute: Minute::from_epoch_seconds(minute * 60) }

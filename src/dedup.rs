@@ -79,6 +79,16 @@ impl DedupError {
     }
 }
 
+/// The verdict for one claim, from what the key held before `SET … NX GET` (`None`:
+/// no key, so this claim now owns it).
+pub fn decide(previous: Option<&[u8]>, mine: &str) -> Verdict {
+    match previous {
+        None => Verdict::First,
+        Some(owner) if owner == mine.as_bytes() => Verdict::Redelivered,
+        Some(_) => Verdict::Duplicate,
+    }
+}
+
 /// The owner token stored as the key's value.
 pub fn owner_token(topic: &str, partition: i32, offset: i64) -> String {
     format!("{topic}/{partition}/{offset}")
@@ -141,15 +151,7 @@ impl Dedup {
                 return Err(DedupError::classify(e));
             }
         };
-        Ok(replies
-            .iter()
-            .zip(&tokens)
-            .map(|(previous, mine)| match previous {
-                None => Verdict::First,
-                Some(owner) if owner.as_slice() == mine.as_bytes() => Verdict::Redelivered,
-                Some(_) => Verdict::Duplicate,
-            })
-            .collect())
+        Ok(replies.iter().zip(&tokens).map(|(previous, mine)| decide(previous.as_deref(), mine)).collect())
     }
 
     /// Round trip for readiness checks.
