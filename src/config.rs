@@ -202,6 +202,9 @@ pub struct RedisSettings {
     /// ACL user, if not in the URL.
     pub username: Option<String>,
     pub password: Option<Secret>,
+    /// PEM file of the CA that signed the server certificate, for `rediss://` with a
+    /// private CA (public CAs are trusted from the system store).
+    pub tls_ca_file: Option<PathBuf>,
     /// Prefix of every dedup key; lets several deployments share one Redis.
     pub key_prefix: String,
     /// The dedup window: how long a click ID is remembered after it is first claimed.
@@ -217,6 +220,7 @@ impl Default for RedisSettings {
             url: SecretUrl::new("redis://127.0.0.1:6379/"),
             username: None,
             password: None,
+            tls_ca_file: None,
             key_prefix: "clickagg:dedup:".into(),
             dedup_ttl: Duration::from_secs(24 * 3600),
             timeout: Duration::from_secs(5),
@@ -506,6 +510,9 @@ impl Settings {
                 ));
             }
         }
+        if self.redis.tls_ca_file.is_some() && !self.redis.url.expose().starts_with("rediss://") {
+            problems.push("redis.tls_ca_file is set but redis.url does not start with rediss://".to_string());
+        }
         if !self.redis.url.expose().starts_with("redis://")
             && !self.redis.url.expose().starts_with("rediss://")
             && !self.redis.url.expose().starts_with("redis+unix://")
@@ -547,7 +554,16 @@ impl Settings {
             redis_settings = redis_settings.set_password(password.expose().to_string());
         }
         info = info.set_redis_settings(redis_settings);
-        redis::Client::open(info).map_err(|e| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str())))
+        let invalid = |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str()));
+        match &self.redis.tls_ca_file {
+            None => redis::Client::open(info).map_err(invalid),
+            Some(path) => {
+                let root_cert = std::fs::read(path)
+                    .map_err(|e| ConfigError::Invalid(format!("redis.tls_ca_file {}: {e}", path.display())))?;
+                let certs = redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) };
+                redis::Client::build_with_tls(info, certs).map_err(invalid)
+            }
+        }
     }
 }
 

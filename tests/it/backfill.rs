@@ -80,12 +80,7 @@ async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
     // The first half is in the topic before anything runs; the rest arrives meanwhile.
     let (first, rest) = records.split_at(60_000);
     env.send(first, 4, None).await;
-    let producer = {
-        let settings = env.settings();
-        let topic = env.topic.clone();
-        let rest = rest.to_vec();
-        tokio::spawn(async move { clickagg::produce::send(&settings.kafka, &topic, 4, &rest, Some(15_000), |_| {}).await.unwrap() })
-    };
+    let producer = env.spawn_producer(&rest, 4, 15_000);
     let mut live = env.spawn_member("live");
     live.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
     run_to_end(&env, "replay-a", &["replay"], &[], 0);

@@ -35,14 +35,7 @@ async fn members_killed_with_sigkill_mid_stream_and_mid_flush_count_exactly() {
     let env = TestEnv::new("sigkill").await;
     let (records, truth) = env.plan(Spec { count: 150_000, seed: 2, ..Spec::default() });
     // Produce while the members consume, so every kill lands mid-stream.
-    let producer = {
-        let settings = env.settings();
-        let topic = env.topic.clone();
-        let records = records.clone();
-        tokio::spawn(async move {
-            clickagg::produce::send(&settings.kafka, &topic, 4, &records, Some(15_000), |_| {}).await.unwrap()
-        })
-    };
+    let producer = env.spawn_producer(&records, 4, 15_000);
     // Static membership: a restarted member takes its partitions back at once.
     let extra = [("CLICKAGG__KAFKA__GROUP_INSTANCE_ID", "member-0")];
     let mut kills_during_flush = 0;
@@ -71,14 +64,7 @@ async fn members_killed_with_sigkill_mid_stream_and_mid_flush_count_exactly() {
 async fn three_members_joining_and_leaving_the_group_count_exactly() {
     let env = TestEnv::new("rebalance").await;
     let (records, truth) = env.plan(Spec { count: 150_000, seed: 3, ..Spec::default() });
-    let producer = {
-        let settings = env.settings();
-        let topic = env.topic.clone();
-        let records = records.clone();
-        tokio::spawn(async move {
-            clickagg::produce::send(&settings.kafka, &topic, 6, &records, Some(12_000), |_| {}).await.unwrap()
-        })
-    };
+    let producer = env.spawn_producer(&records, 6, 12_000);
     let mut a = env.spawn_member("a");
     a.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
     tokio::time::sleep(Duration::from_secs(1)).await;

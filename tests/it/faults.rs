@@ -10,14 +10,6 @@ use crate::helpers::{PrivateStack, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(240);
 
-fn spawn_producer(env: &TestEnv, records: Vec<clickagg::produce::Planned>, rate: u64) -> tokio::task::JoinHandle<()> {
-    let settings = env.settings();
-    let topic = env.topic.clone();
-    tokio::spawn(async move {
-        clickagg::produce::send(&settings.kafka, &topic, 4, &records, Some(rate), |_| {}).await.unwrap()
-    })
-}
-
 /// Polls `/readyz` until its status is `want` (or panics after `timeout`).
 fn wait_ready(member: &crate::helpers::Member, want: u16, timeout: Duration) -> String {
     let deadline = Instant::now() + timeout;
@@ -40,7 +32,7 @@ async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly
     let stack = PrivateStack::start("redis-outage", &["redis"]);
     let env = TestEnv::with_stack("redisout", &stack).await;
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 31, ..Spec::default() });
-    let producer = spawn_producer(&env, records, 2_500);
+    let producer = env.spawn_producer(&records, 4, 2_500);
     let mut member = env.spawn_member("m");
     member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
     wait_ready(&member, 200, Duration::from_secs(30));
@@ -70,7 +62,7 @@ async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_
     let bound = 3_000;
     env.extra_env.push(("CLICKAGG__PIPELINE__MAX_UNFLUSHED_BUCKETS".into(), bound.to_string()));
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 32, ..Spec::default() });
-    let producer = spawn_producer(&env, records, 2_500);
+    let producer = env.spawn_producer(&records, 4, 2_500);
     let mut member = env.spawn_member("m");
     member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
     tokio::time::sleep(Duration::from_secs(4)).await;
@@ -106,7 +98,7 @@ async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
     let stack = PrivateStack::start("kafka-restart", &["kafka"]);
     let env = TestEnv::with_stack("kafkarestart", &stack).await;
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 33, ..Spec::default() });
-    let producer = spawn_producer(&env, records, 3_000);
+    let producer = env.spawn_producer(&records, 4, 3_000);
     let mut member = env.spawn_member("m");
     member.wait_for_line("partitions assigned", 0, Duration::from_secs(90));
     tokio::time::sleep(Duration::from_secs(5)).await;
@@ -119,4 +111,35 @@ async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert!(member.metric("clickagg_kafka_errors_total", &[]) > 0.0, "the member saw the broker go away");
     assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_past_the_drain_timeout_exits_non_zero_without_committing_unflushed_work() {
+    let stack = PrivateStack::start("drain-timeout", &["clickhouse"]);
+    let mut env = TestEnv::with_stack("draintimeout", &stack).await;
+    env.extra_env.push(("CLICKAGG__PIPELINE__DRAIN_TIMEOUT".into(), "3s".into()));
+    let (records, truth) = env.plan(Spec { count: 30_000, seed: 34, ..Spec::default() });
+    let (first, rest) = records.split_at(15_000);
+    env.send(first, 4, None).await;
+    let mut member = env.spawn_member("m");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while member.metric("clickagg_records_consumed_total", &[]) < first.len() as f64 {
+        assert!(Instant::now() < deadline, "the member did not consume the first half");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    stack.down("clickhouse");
+    // Clicks read while ClickHouse is down can only be flushed by a later owner.
+    env.send(rest, 4, None).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = committed(&env);
+    let started = Instant::now();
+    let code = member.terminate(Duration::from_secs(30));
+    assert_eq!(code, 3, "exit 3 when the drain timeout passes:\n{}", member.output());
+    assert!(started.elapsed() < Duration::from_secs(15), "the drain is bounded by its timeout");
+    assert_eq!(committed(&env), before, "nothing unflushed was committed");
+
+    stack.up("clickhouse");
+    let mut next = env.spawn_member("next");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(next.terminate(Duration::from_secs(30)), 0);
 }

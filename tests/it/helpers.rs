@@ -206,6 +206,16 @@ impl TestEnv {
             .expect("produce");
     }
 
+    /// Produces `records` in the background at `rate` records/s, while the test goes on.
+    pub fn spawn_producer(&self, records: &[Planned], partitions: i32, rate: u64) -> tokio::task::JoinHandle<()> {
+        let settings = self.settings();
+        let topic = self.topic.clone();
+        let records = records.to_vec();
+        tokio::spawn(async move {
+            produce::send(&settings.kafka, &topic, partitions, &records, Some(rate), |_| {}).await.expect("produce")
+        })
+    }
+
     pub async fn billing(&self) -> BTreeMap<BucketKey, u64> {
         self.sink().billing(Some(&self.topic), None, None).await.expect("billing")
     }
@@ -435,6 +445,12 @@ fn free_port() -> u16 {
 
 impl PrivateStack {
     pub fn start(name: &str, services: &[&'static str]) -> PrivateStack {
+        Self::start_with(name, services, &[])
+    }
+
+    /// Like [`start`](Self::start), with extra port settings of `scripts/stack` (such
+    /// as `REDIS_TLS_PORT`) set to free ports.
+    pub fn start_with(name: &str, services: &[&'static str], extra_ports: &[&str]) -> PrivateStack {
         let tag: u32 = rand::rng().random();
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("private-stacks").join(format!("{name}-{tag:08x}"));
         let env = vec![
@@ -448,6 +464,8 @@ impl PrivateStack {
             ("CLICKHOUSE_HTTP_PORT".to_string(), free_port().to_string()),
             ("CLICKHOUSE_TCP_PORT".to_string(), free_port().to_string()),
         ];
+        let mut env = env;
+        env.extend(extra_ports.iter().map(|k| (k.to_string(), free_port().to_string())));
         let stack = PrivateStack { dir, env, services: services.to_vec() };
         for s in services {
             stack.up(s);
@@ -455,7 +473,11 @@ impl PrivateStack {
         stack
     }
 
-    fn port(&self, key: &str) -> String {
+    pub fn dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
+    pub fn port(&self, key: &str) -> String {
         self.env.iter().find(|(k, _)| k == key).unwrap().1.clone()
     }
 

@@ -37,12 +37,7 @@ async fn counts_below(env: &TestEnv, ends: &BTreeMap<i32, i64>) -> BTreeMap<Buck
 async fn sigterm_mid_run_flushes_commits_only_durable_clicks_and_a_restart_rereads_at_most_the_open_batch() {
     let env = TestEnv::new("sigterm").await;
     let (records, truth) = env.plan(Spec { count: 80_000, seed: 41, ..Spec::default() });
-    let producer = {
-        let settings = env.settings();
-        let topic = env.topic.clone();
-        let records = records.clone();
-        tokio::spawn(async move { clickagg::produce::send(&settings.kafka, &topic, 4, &records, Some(10_000), |_| {}).await.unwrap() })
-    };
+    let producer = env.spawn_producer(&records, 4, 10_000);
     let mut first = env.spawn_member("first");
     first.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -219,4 +214,26 @@ async fn scram_sha_256_and_512_connect_producer_and_member() {
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&produced, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_private_ca_counts_exactly() {
+    let stack = PrivateStack::start_with("rediss", &["redis"], &["REDIS_TLS_PORT"]);
+    let mut env = TestEnv::with_stack("rediss", &stack).await;
+    env.redis_url = format!("rediss://127.0.0.1:{}/", stack.port("REDIS_TLS_PORT"));
+    let ca = stack.dir().join("redis/tls/cert.pem");
+    env.extra_env.push(("CLICKAGG__REDIS__TLS_CA_FILE".into(), ca.display().to_string()));
+    let (records, truth) = env.plan(Spec { count: 10_000, seed: 45, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.http_get("/readyz").0, 200, "the readiness probe reaches Redis over TLS too");
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+
+    // Without the CA the server certificate is not trusted: a clear, fatal error.
+    env.extra_env.retain(|(k, _)| k != "CLICKAGG__REDIS__TLS_CA_FILE");
+    env.send(&records[..10], 4, None).await;
+    let mut untrusted = env.spawn_member("untrusted");
+    let code = untrusted.wait(Duration::from_secs(60));
+    assert_ne!(code, 0, "{}", untrusted.output());
 }
