@@ -60,6 +60,12 @@ pub enum DedupError {
 impl DedupError {
     fn classify(e: RedisError) -> DedupError {
         use redis::ServerErrorKind as S;
+        // An untrusted server certificate stays untrusted however often we retry.
+        if e.to_string().contains("certificate verify failed") {
+            return DedupError::Fatal(format!(
+                "{e} (set redis.tls_ca_file to the CA that signed the Redis server certificate)"
+            ));
+        }
         match e.kind() {
             ErrorKind::AuthenticationFailed | ErrorKind::InvalidClientConfig => DedupError::Fatal(e.to_string()),
             ErrorKind::Server(S::NoPerm) => DedupError::Fatal(format!("{e} (the ACL user needs +set and +ping)")),
