@@ -236,6 +236,9 @@ pub struct ClickHouseSettings {
     pub user: String,
     pub password: Option<Secret>,
     pub database: String,
+    /// PEM file of the CA that signed the server certificate, for `https://` with a
+    /// private CA (public CAs are trusted from the system store).
+    pub tls_ca_file: Option<PathBuf>,
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
 }
@@ -247,6 +250,7 @@ impl Default for ClickHouseSettings {
             user: "default".into(),
             password: None,
             database: "clickagg".into(),
+            tls_ca_file: None,
             request_timeout: Duration::from_secs(30),
         }
     }
@@ -518,6 +522,16 @@ impl Settings {
             && !self.redis.url.expose().starts_with("redis+unix://")
         {
             problems.push(format!("redis.url {} must start with redis:// or rediss://", self.redis.url));
+        }
+        if let Some(path) = &self.clickhouse.tls_ca_file {
+            if !self.clickhouse.url.starts_with("https://") {
+                problems.push("clickhouse.tls_ca_file is set but clickhouse.url does not start with https://".to_string());
+            }
+            match std::fs::read(path).map(|pem| native_tls::Certificate::from_pem(&pem)) {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => problems.push(format!("clickhouse.tls_ca_file {} is not a PEM certificate: {e}", path.display())),
+                Err(e) => problems.push(format!("clickhouse.tls_ca_file {}: {e}", path.display())),
+            }
         }
         if !self.clickhouse.url.starts_with("http://") && !self.clickhouse.url.starts_with("https://") {
             problems.push(format!("clickhouse.url {:?} must start with http:// or https://", self.clickhouse.url));

@@ -110,7 +110,16 @@ pub struct Sink {
 
 impl Sink {
     pub fn new(s: &ClickHouseSettings) -> Sink {
-        let mut server = Client::default()
+        let base = match &s.tls_ca_file {
+            None => Client::default(),
+            // Idle connections close before ClickHouse's own 3 s keep-alive timeout does.
+            Some(ca) => Client::with_http_client(
+                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(2))
+                    .build(https_connector_trusting(ca)),
+            ),
+        };
+        let mut server = base
             .with_url(s.url.as_str())
             .with_user(s.user.as_str())
             .with_compression(Compression::None)
@@ -266,6 +275,25 @@ impl Sink {
             .map(|r| (BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) }, r.clicks))
             .collect())
     }
+}
+
+/// An HTTP(S) connector that also trusts the CA in `ca_file` (PEM). The file was checked
+/// when the settings were loaded; a certificate that does not parse is fatal here.
+fn https_connector_trusting(
+    ca_file: &std::path::Path,
+) -> hyper_tls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector> {
+    use hyper_util::client::legacy::connect::HttpConnector;
+    let pem = std::fs::read(ca_file).unwrap_or_else(|e| panic!("clickhouse.tls_ca_file {}: {e}", ca_file.display()));
+    let ca = native_tls::Certificate::from_pem(&pem)
+        .unwrap_or_else(|e| panic!("clickhouse.tls_ca_file {}: not a PEM certificate: {e}", ca_file.display()));
+    let tls = native_tls::TlsConnector::builder()
+        .add_root_certificate(ca)
+        .build()
+        .expect("a TLS connector with one extra root certificate");
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    hyper_tls::HttpsConnector::from((http, tls.into()))
 }
 
 /// Splits a migration file into statements (`;` at the end of a line ends one).

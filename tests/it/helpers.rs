@@ -61,6 +61,8 @@ pub struct TestEnv {
     pub brokers: String,
     pub redis_url: String,
     pub clickhouse_url: String,
+    /// CA of a private ClickHouse HTTPS endpoint (`clickhouse.tls_ca_file`).
+    pub clickhouse_ca: Option<PathBuf>,
     pub topic: String,
     pub group: String,
     pub redis_prefix: String,
@@ -98,6 +100,7 @@ impl TestEnv {
             brokers,
             redis_url,
             clickhouse_url,
+            clickhouse_ca: None,
             topic: format!("it-{name}-{tag}"),
             group: format!("it-{name}-{tag}"),
             redis_prefix: format!("it:{name}:{tag}:"),
@@ -119,6 +122,7 @@ impl TestEnv {
         s.redis.url = clickagg::config::SecretUrl::new(self.redis_url.clone());
         s.redis.key_prefix = self.redis_prefix.clone();
         s.clickhouse.url = self.clickhouse_url.clone();
+        s.clickhouse.tls_ca_file = self.clickhouse_ca.clone();
         s.clickhouse.database = self.database.clone();
         s.pipeline.batch_offsets = self.batch_offsets;
         s
@@ -150,6 +154,9 @@ impl TestEnv {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        if let Some(ca) = &self.clickhouse_ca {
+            v.push(("CLICKAGG__CLICKHOUSE__TLS_CA_FILE".into(), ca.display().to_string()));
+        }
         v.extend(self.extra_env.iter().cloned());
         v
     }

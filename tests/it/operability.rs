@@ -237,3 +237,20 @@ async fn rediss_with_a_private_ca_counts_exactly() {
     let code = untrusted.wait(Duration::from_secs(60));
     assert_ne!(code, 0, "{}", untrusted.output());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_clickhouse_with_a_private_ca_and_a_password_counts_exactly() {
+    let stack = PrivateStack::start_with("chs", &["clickhouse"], &["CLICKHOUSE_HTTPS_PORT"]);
+    let mut env = TestEnv::with_stack("chhttps", &stack).await;
+    env.clickhouse_url = format!("https://127.0.0.1:{}", stack.port("CLICKHOUSE_HTTPS_PORT"));
+    env.clickhouse_ca = Some(stack.dir().join("clickhouse/tls/cert.pem"));
+    env.extra_env.extend(
+        [("CLICKAGG__CLICKHOUSE__USER", "clickagg"), ("CLICKAGG__CLICKHOUSE__PASSWORD", "clickagg-local-password")]
+            .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
+    let (records, truth) = env.plan(Spec { count: 10_000, seed: 46, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
