@@ -254,3 +254,26 @@ async fn https_clickhouse_with_a_private_ca_and_a_password_counts_exactly() {
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_over_tls_with_a_private_ca_counts_exactly_and_an_untrusted_broker_is_fatal() {
+    let stack = PrivateStack::start_with("kssl", &["kafka"], &["KAFKA_SSL_PORT"]);
+    let mut env = TestEnv::with_stack("kafkatls", &stack).await;
+    let ca = stack.dir().join("kafka/tls/cert.pem").display().to_string();
+    let ssl = format!("127.0.0.1:{}", stack.port("KAFKA_SSL_PORT"));
+    env.extra_env.extend(
+        [("CLICKAGG__KAFKA__BROKERS", ssl.as_str()), ("CLICKAGG__KAFKA__SECURITY_PROTOCOL", "ssl")]
+            .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
+    let (records, truth) = env.plan(Spec { count: 10_000, seed: 47, ..Spec::default() });
+    env.send(&records, 4, None).await;
+
+    let mut untrusted = env.spawn_member("untrusted");
+    let code = untrusted.wait(Duration::from_secs(90));
+    assert_eq!(code, 1, "a broker certificate nobody vouches for is fatal:\n{}", untrusted.output());
+
+    env.extra_env.push(("CLICKAGG__KAFKA__SSL_CA_LOCATION".into(), ca));
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+}
