@@ -5,7 +5,9 @@ use std::time::Duration;
 use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::produce::Spec;
 
-use crate::helpers::{redis_url, TestEnv};
+use std::collections::HashSet;
+
+use crate::helpers::{read_dead_letters, redis_url, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 const EXIT: Duration = Duration::from_secs(300);
@@ -40,6 +42,19 @@ async fn replaying_the_whole_topic_three_times_changes_no_count() {
         // in its batch (identical rows), never as a new click.
         assert!(out.contains(&format!("{} counted ({} already claimed", truth.clicks, truth.clicks)), "{out}");
         assert_eq!(env.billing().await, before, "replay {i} changed a count");
+    }
+    // The replays re-rejected the bad records; their dead letters say so, and name the
+    // same source positions as the live run's, so a consumer can tell copies apart.
+    let bad = truth.malformed_total() as usize;
+    let letters = read_dead_letters(&env, 4 * bad);
+    assert_eq!(letters.len(), 4 * bad);
+    let position = |h: &std::collections::BTreeMap<String, String>| {
+        (h["clickagg-source-partition"].clone(), h["clickagg-source-offset"].clone())
+    };
+    let live: HashSet<_> = letters.iter().filter(|d| d.headers["clickagg-origin"] == "run").map(|d| position(&d.headers)).collect();
+    assert_eq!(live.len(), bad);
+    for d in letters.iter().filter(|d| d.headers["clickagg-origin"] == "replay") {
+        assert!(live.contains(&position(&d.headers)), "a replayed dead letter names a position the live run did");
     }
 }
 

@@ -2,55 +2,15 @@
 //! naming the reason and its source position; its partition keeps moving and the valid
 //! clicks around it are counted exactly. One test per bad-input class.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use clickagg::click::RejectReason;
 use clickagg::produce::{Planned, Spec};
-use rdkafka::consumer::{BaseConsumer, Consumer};
-use rdkafka::message::{Headers, Message};
+use rdkafka::consumer::Consumer;
+use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::helpers::TestEnv;
-
-/// A dead letter as read back: raw payload and headers.
-struct DeadLetter {
-    payload: Option<Vec<u8>>,
-    headers: BTreeMap<String, String>,
-}
-
-fn consumer(env: &TestEnv) -> BaseConsumer {
-    rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &env.brokers)
-        .set("group.id", format!("{}-reader", env.group))
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap()
-}
-
-fn read_dead_letters(env: &TestEnv, want: usize) -> Vec<DeadLetter> {
-    let topic = format!("{}.dlq", env.topic);
-    let c = consumer(env);
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&topic, 0, Offset::Beginning).unwrap();
-    c.assign(&tpl).unwrap();
-    let mut out = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while out.len() < want && Instant::now() < deadline {
-        if let Some(Ok(m)) = c.poll(Duration::from_millis(500)) {
-            let headers = m
-                .headers()
-                .map(|hs| {
-                    hs.iter()
-                        .map(|h| (h.key.to_string(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()))
-                        .collect()
-                })
-                .unwrap_or_default();
-            out.push(DeadLetter { payload: m.payload().map(<[u8]>::to_vec), headers });
-        }
-    }
-    out
-}
+use crate::helpers::{consumer, read_dead_letters, TestEnv};
 
 /// The payload stored at a position of the source topic.
 fn source_payload(env: &TestEnv, partition: i32, offset: i64) -> Option<Vec<u8>> {

@@ -19,6 +19,7 @@ use clickagg::produce::{self, Planned, Spec, Truth};
 use clickagg::sink::Sink;
 use rand::Rng;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_clickagg");
@@ -538,3 +539,44 @@ impl Drop for PrivateStack {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
+
+/// A dead letter as read back: raw payload and headers.
+pub struct DeadLetter {
+    pub payload: Option<Vec<u8>>,
+    pub headers: BTreeMap<String, String>,
+}
+
+pub fn consumer(env: &TestEnv) -> BaseConsumer {
+    rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &env.brokers)
+        .set("group.id", format!("{}-reader", env.group))
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap()
+}
+
+/// Reads up to `want` records of the test's dead-letter topic (waiting up to a minute).
+pub fn read_dead_letters(env: &TestEnv, want: usize) -> Vec<DeadLetter> {
+    let topic = format!("{}.dlq", env.topic);
+    let c = consumer(env);
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition_offset(&topic, 0, Offset::Beginning).unwrap();
+    c.assign(&tpl).unwrap();
+    let mut out = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while out.len() < want && Instant::now() < deadline {
+        if let Some(Ok(m)) = c.poll(Duration::from_millis(500)) {
+            let headers = m
+                .headers()
+                .map(|hs| {
+                    hs.iter()
+                        .map(|h| (h.key.to_string(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.push(DeadLetter { payload: m.payload().map(<[u8]>::to_vec), headers });
+        }
+    }
+    out
+}
+
