@@ -86,6 +86,12 @@ pub fn client_config(k: &KafkaSettings) -> ClientConfig {
     if let Some(v) = &k.ssl_key_password {
         c.set("ssl.key.password", v.expose());
     }
+    with_properties(c, k)
+}
+
+/// Applies the pass-through `kafka.properties` last, so an operator's explicit choice
+/// wins over every default set here.
+fn with_properties(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
     for (key, value) in &k.properties {
         c.set(key, value.expose());
     }
@@ -112,11 +118,7 @@ pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
     if let Some(id) = &k.group_instance_id {
         c.set("group.instance.id", id);
     }
-    // Re-apply pass-through properties: an operator's explicit choice wins over ours.
-    for (key, value) in &k.properties {
-        c.set(key, value.expose());
-    }
-    c
+    with_properties(c, k)
 }
 
 /// A consumer without a group protocol, for direct assignment (`replay`, `reconcile`).
@@ -129,10 +131,7 @@ pub fn assigned_consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig 
         .set("queued.max.messages.kbytes", "65536")
         .set("fetch.message.max.bytes", "4194304")
         .set("client.id", "clickagg-replay");
-    for (key, value) in &k.properties {
-        c.set(key, value.expose());
-    }
-    c
+    with_properties(c, k)
 }
 
 pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
@@ -142,10 +141,7 @@ pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
         .set("linger.ms", "5")
         .set("compression.type", "lz4")
         .set("client.id", "clickagg-producer");
-    for (key, value) in &k.properties {
-        c.set(key, value.expose());
-    }
-    c
+    with_properties(c, k)
 }
 
 /// Creates `topic` with `partitions` partitions unless it exists.
@@ -345,5 +341,35 @@ impl RangeReader {
             return Ok(None);
         }
         Ok(Some(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Secret;
+
+    #[test]
+    fn security_settings_reach_librdkafka_and_explicit_properties_win() {
+        let mut k = KafkaSettings {
+            security_protocol: Some("SASL_SSL".into()),
+            sasl_mechanism: Some("SCRAM-SHA-512".into()),
+            sasl_username: Some("svc".into()),
+            sasl_password: Some(Secret::new("pw")),
+            ssl_ca_location: Some("/etc/ca.pem".into()),
+            ..KafkaSettings::default()
+        };
+        k.properties.insert("client.id".into(), Secret::new("mine"));
+        for c in [group_consumer_config(&k), assigned_consumer_config(&k, "g"), producer_config(&k)] {
+            assert_eq!(c.get("security.protocol"), Some("sasl_ssl"));
+            assert_eq!(c.get("sasl.mechanism"), Some("SCRAM-SHA-512"));
+            assert_eq!(c.get("sasl.username"), Some("svc"));
+            assert_eq!(c.get("sasl.password"), Some("pw"));
+            assert_eq!(c.get("ssl.ca.location"), Some("/etc/ca.pem"));
+            assert_eq!(c.get("client.id"), Some("mine"));
+        }
+        let g = group_consumer_config(&k);
+        assert_eq!(g.get("enable.auto.commit"), Some("false"));
+        assert_eq!(g.get("partition.assignment.strategy"), Some("cooperative-sticky"));
     }
 }
