@@ -217,6 +217,7 @@ async fn consume(
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut paused = false;
     let kafka_log = RateLimiter::new(Duration::from_secs(5));
+    let limits = stages.lock().await.limits().clone();
 
     loop {
         // Backpressure: while ClickHouse cannot take the rows, stop fetching but keep
@@ -252,7 +253,6 @@ async fn consume(
                 loop {
                     match pending {
                         Some(Ok(msg)) => {
-                            let limits = stages.lock().await.limits().clone();
                             records.push(Record::decode(&msg, &limits));
                         }
                         Some(Err(e)) => {
