@@ -60,14 +60,9 @@ pub enum StopAt {
     Time(i64),
 }
 
+/// RFC 3339 or a plain date (its UTC midnight), in milliseconds; as `query` reads times.
 pub fn parse_time_ms(s: &str) -> Option<i64> {
-    if let Ok(t) = chrono::DateTime::parse_from_rfc3339(s) {
-        return Some(t.timestamp_millis());
-    }
-    // A plain date means its midnight, UTC.
-    chrono::NaiveDate::parse_from_str(s, "%Y-%m-%d")
-        .ok()
-        .map(|d| d.and_hms_opt(0, 0, 0).expect("midnight").and_utc().timestamp_millis())
+    crate::query::parse_time(s).ok().map(|t| t.timestamp_millis())
 }
 
 impl std::str::FromStr for StartAt {
