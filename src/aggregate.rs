@@ -309,10 +309,7 @@ mod tests {
         agg.observe(0, 1, None);
         agg.observe(0, 2, Some(key(1, 0)));
         let f = agg.take_flush();
-        assert_eq!(
-            f.rows,
-            vec![BatchRow { key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 }]
-        );
+        assert_eq!(f.rows, vec![BatchRow { key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 }]);
         // The batch is still open: committing past its start would lose its clicks on a crash.
         assert_eq!(f.commits, BTreeMap::from([(0, 0)]));
 
@@ -469,7 +466,7 @@ mod tests {
             for (o, entry) in log.iter().enumerate() {
                 let o = o as i64;
                 agg.observe(0, o, entry.map(|(a, m)| key(a, m)));
-                if o as usize % flush_every == 0 {
+                if (o as usize).is_multiple_of(flush_every) {
                     let f = agg.take_flush();
                     let commit = f.commits[&0];
                     prop_assert_eq!(commit % batch as i64, 0);

@@ -9,17 +9,17 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 use crate::cli::{Command, ProduceArgs, VerifyArgs};
-use crate::reconcile::ReconcileArgs;
-use crate::replay::ReplayArgs;
 use crate::config::Settings;
 use crate::dedup::Dedup;
 use crate::health::{self, Health};
 use crate::member::Member;
 use crate::pipeline::Exit;
 use crate::produce::{self, Spec, Truth};
+use crate::reconcile::ReconcileArgs;
+use crate::replay::ReplayArgs;
 use crate::sink::Sink;
-use crate::verify;
 use crate::telemetry;
+use crate::verify;
 
 /// Exit code when the drain timeout passed before everything was flushed.
 pub const EXIT_DRAIN_TIMEOUT: u8 = 3;
@@ -52,7 +52,8 @@ async fn migrate(s: &Settings) -> Result<ExitCode> {
 /// Cancels `token` on the first SIGINT or SIGTERM.
 fn cancel_on_signals(token: CancellationToken) {
     tokio::spawn(async move {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => info!("SIGINT received; draining"),
             _ = term.recv() => info!("SIGTERM received; draining"),

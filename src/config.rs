@@ -129,7 +129,7 @@ impl<'de> Deserialize<'de> for SecretUrl {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     pub kafka: KafkaSettings,
@@ -377,21 +377,6 @@ impl Default for LogSettings {
     }
 }
 
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            kafka: KafkaSettings::default(),
-            redis: RedisSettings::default(),
-            clickhouse: ClickHouseSettings::default(),
-            pipeline: PipelineSettings::default(),
-            validation: ValidationSettings::default(),
-            dead_letter: DeadLetterSettings::default(),
-            http: HttpSettings::default(),
-            log: LogSettings::default(),
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("configuration file {0} does not exist")]
@@ -434,7 +419,12 @@ impl Settings {
         Self::load_layers(file, overrides, env, figment::Figment::new())
     }
 
-    fn load_layers(file: Option<&Path>, overrides: Vec<Override>, env: Env, extra_env: Figment) -> Result<Settings, ConfigError> {
+    fn load_layers(
+        file: Option<&Path>,
+        overrides: Vec<Override>,
+        env: Env,
+        extra_env: Figment,
+    ) -> Result<Settings, ConfigError> {
         // Every struct is `#[serde(default)]`, so an empty figment yields the defaults.
         let mut figment = Figment::new();
         if let Some(path) = file {
@@ -525,11 +515,14 @@ impl Settings {
         }
         if let Some(path) = &self.clickhouse.tls_ca_file {
             if !self.clickhouse.url.starts_with("https://") {
-                problems.push("clickhouse.tls_ca_file is set but clickhouse.url does not start with https://".to_string());
+                problems
+                    .push("clickhouse.tls_ca_file is set but clickhouse.url does not start with https://".to_string());
             }
             match std::fs::read(path).map(|pem| native_tls::Certificate::from_pem(&pem)) {
                 Ok(Ok(_)) => {}
-                Ok(Err(e)) => problems.push(format!("clickhouse.tls_ca_file {} is not a PEM certificate: {e}", path.display())),
+                Ok(Err(e)) => {
+                    problems.push(format!("clickhouse.tls_ca_file {} is not a PEM certificate: {e}", path.display()))
+                }
                 Err(e) => problems.push(format!("clickhouse.tls_ca_file {}: {e}", path.display())),
             }
         }
@@ -565,10 +558,11 @@ impl Settings {
             redis_settings = redis_settings.set_username(user.clone());
         }
         if let Some(password) = &self.redis.password {
-            redis_settings = redis_settings.set_password(password.expose().to_string());
+            redis_settings = redis_settings.set_password(password.expose());
         }
         info = info.set_redis_settings(redis_settings);
-        let invalid = |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str()));
+        let invalid =
+            |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str()));
         match &self.redis.tls_ca_file {
             None => redis::Client::open(info).map_err(invalid),
             Some(path) => {
@@ -618,6 +612,8 @@ fn describe(e: figment::Error) -> String {
 }
 
 #[cfg(test)]
+// figment's `Jail` closures return its (large) error type; that is its API, not ours.
+#[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
     use figment::Jail;
@@ -625,7 +621,10 @@ mod tests {
     #[test]
     fn layers_apply_in_order_defaults_file_env_flags() {
         Jail::expect_with(|jail| {
-            jail.create_file("c.toml", "[kafka]\nbrokers = \"file:9092\"\ntopic = \"from-file\"\ngroup = \"g-file\"\n")?;
+            jail.create_file(
+                "c.toml",
+                "[kafka]\nbrokers = \"file:9092\"\ntopic = \"from-file\"\ngroup = \"g-file\"\n",
+            )?;
             jail.set_env("CLICKAGG__KAFKA__TOPIC", "from-env");
             jail.set_env("CLICKAGG__KAFKA__GROUP", "g-env");
             let s = Settings::load(Some(Path::new("c.toml")), vec![("kafka.group", "g-flag".into())]).unwrap();

@@ -112,9 +112,8 @@ pub struct Dedup {
 
 impl Dedup {
     pub fn new(client: redis::Client, key_prefix: String, ttl: Duration, timeout: Duration) -> Dedup {
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(timeout))
-            .set_response_timeout(Some(timeout));
+        let config =
+            AsyncConnectionConfig::new().set_connection_timeout(Some(timeout)).set_response_timeout(Some(timeout));
         Dedup { client, conn: None, config, key_prefix, ttl_secs: ttl.as_secs().max(1) }
     }
 

@@ -105,7 +105,13 @@ async fn metrics_text(State(s): State<AppState>) -> String {
 }
 
 /// Re-checks Redis and ClickHouse every `every` until `shutdown`.
-pub async fn probe(health: Arc<Health>, mut redis: Dedup, clickhouse: Sink, every: Duration, shutdown: CancellationToken) {
+pub async fn probe(
+    health: Arc<Health>,
+    mut redis: Dedup,
+    clickhouse: Sink,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
     let mut ticker = tokio::time::interval(every);
     loop {
         tokio::select! {

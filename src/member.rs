@@ -65,7 +65,14 @@ fn is_fatal_kafka(code: Option<rdkafka::types::RDKafkaErrorCode>) -> bool {
     use rdkafka::types::RDKafkaErrorCode as C;
     matches!(
         code,
-        Some(C::Authentication | C::SaslAuthenticationFailed | C::TopicAuthorizationFailed | C::GroupAuthorizationFailed | C::ClusterAuthorizationFailed | C::SSL)
+        Some(
+            C::Authentication
+                | C::SaslAuthenticationFailed
+                | C::TopicAuthorizationFailed
+                | C::GroupAuthorizationFailed
+                | C::ClusterAuthorizationFailed
+                | C::SSL
+        )
     )
 }
 
@@ -179,7 +186,8 @@ impl Member {
             runtime: Handle::current(),
             fatal: fatal.clone(),
         };
-        let consumer: StreamConsumer<GroupContext> = source::group_consumer_config(&s.kafka).create_with_context(context)?;
+        let consumer: StreamConsumer<GroupContext> =
+            source::group_consumer_config(&s.kafka).create_with_context(context)?;
         consumer.subscribe(&[s.kafka.topic.as_str()])?;
         info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
 
@@ -229,7 +237,10 @@ async fn consume(
                 let assignment = consumer.assignment()?;
                 if over {
                     consumer.pause(&assignment)?;
-                    warn!(unflushed_buckets = st.unflushed_buckets(), "pausing consumption until ClickHouse takes the backlog");
+                    warn!(
+                        unflushed_buckets = st.unflushed_buckets(),
+                        "pausing consumption until ClickHouse takes the backlog"
+                    );
                 } else {
                     consumer.resume(&assignment)?;
                     info!("resuming consumption");
@@ -294,7 +305,11 @@ async fn consume(
 
 /// Final flush and synchronous commit. Past the drain timeout, nothing more is written
 /// or committed and the exit is reported as [`Exit::DrainTimedOut`].
-async fn drain(consumer: &StreamConsumer<GroupContext>, stages: &Mutex<Stages>, timeout: Duration) -> Result<Exit, PipelineError> {
+async fn drain(
+    consumer: &StreamConsumer<GroupContext>,
+    stages: &Mutex<Stages>,
+    timeout: Duration,
+) -> Result<Exit, PipelineError> {
     let deadline = Instant::now() + timeout;
     let mut st = stages.lock().await;
     let last_read = st.agg.last_offsets();
@@ -305,7 +320,10 @@ async fn drain(consumer: &StreamConsumer<GroupContext>, stages: &Mutex<Stages>, 
             Ok(Exit::Drained)
         }
         Ok(false) => {
-            error!(timeout_ms = timeout.as_millis() as u64, "drain timed out; leaving without committing unflushed work");
+            error!(
+                timeout_ms = timeout.as_millis() as u64,
+                "drain timed out; leaving without committing unflushed work"
+            );
             st.abandon();
             Ok(Exit::DrainTimedOut)
         }
@@ -318,7 +336,11 @@ async fn drain(consumer: &StreamConsumer<GroupContext>, stages: &Mutex<Stages>, 
 
 /// At startup ClickHouse may still be coming up: wait with backoff (a fatal error such
 /// as a wrong password ends the wait at once).
-async fn wait_for_clickhouse(sink: &Sink, max_backoff: Duration, shutdown: &CancellationToken) -> Result<(), PipelineError> {
+async fn wait_for_clickhouse(
+    sink: &Sink,
+    max_backoff: Duration,
+    shutdown: &CancellationToken,
+) -> Result<(), PipelineError> {
     let mut backoff = Backoff::new(max_backoff);
     loop {
         match sink.ping().await {

@@ -267,10 +267,11 @@ impl Stages {
         let claims: Vec<Claim> = records
             .iter()
             .filter_map(|r| {
-                r.outcome
-                    .as_ref()
-                    .ok()
-                    .map(|c| Claim { click_id: c.click_id.as_str(), partition: r.partition, offset: r.offset })
+                r.outcome.as_ref().ok().map(|c| Claim {
+                    click_id: c.click_id.as_str(),
+                    partition: r.partition,
+                    offset: r.offset,
+                })
             })
             .collect();
         let verdicts = self.claim_with_retry(&claims, shutdown).await?;
@@ -338,7 +339,9 @@ impl Stages {
                     self.skip_below.insert(r.partition, boundary);
                 }
                 Ok(_) => {}
-                Err(e) => warn!(partition = r.partition, error = %e, "could not read the log start; assuming the batch is whole"),
+                Err(e) => {
+                    warn!(partition = r.partition, error = %e, "could not read the log start; assuming the batch is whole")
+                }
             }
         }
         if self.skip_below.is_empty() {
@@ -389,7 +392,11 @@ impl Stages {
         }
     }
 
-    async fn claim_with_retry(&mut self, claims: &[Claim<'_>], shutdown: &CancellationToken) -> Result<Vec<Verdict>, Interrupted> {
+    async fn claim_with_retry(
+        &mut self,
+        claims: &[Claim<'_>],
+        shutdown: &CancellationToken,
+    ) -> Result<Vec<Verdict>, Interrupted> {
         let mut backoff = Backoff::new(self.max_backoff);
         loop {
             match self.dedup.claim(&self.topic, claims).await {
@@ -423,7 +430,11 @@ impl Stages {
 
     /// One flush attempt, unless a retry is not due yet. Transient failures keep the
     /// rows for the next attempt; fatal ones are returned.
-    pub async fn flush<C: ConsumerContext>(&mut self, consumer: &impl Consumer<C>, mode: CommitMode) -> Result<bool, SinkError> {
+    pub async fn flush<C: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<C>,
+        mode: CommitMode,
+    ) -> Result<bool, SinkError> {
         if self.pending.is_none() {
             let f = self.agg.take_flush();
             if f.is_empty() {
@@ -557,7 +568,12 @@ mod tests {
                 }
             }
         };
-        let member = |from: usize, upto: Option<usize>, flush_at_end: bool, redis: &mut HashMap<u8, String>, table: &mut HashMap<(i64, BucketKey), (u64, i64)>| -> Option<usize> {
+        let member = |from: usize,
+                      upto: Option<usize>,
+                      flush_at_end: bool,
+                      redis: &mut HashMap<u8, String>,
+                      table: &mut HashMap<(i64, BucketKey), (u64, i64)>|
+         -> Option<usize> {
             let mut agg = Aggregator::new(n);
             let end = upto.map_or(log.len(), |u| (from + u).min(log.len()));
             for (o, &(id, ad)) in log.iter().enumerate().take(end).skip(from) {

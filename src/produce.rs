@@ -26,10 +26,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
 use rdkafka::client::ClientContext;
+use rdkafka::error::KafkaError;
 use rdkafka::message::DeliveryResult;
 use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
-use rdkafka::error::KafkaError;
 
 use crate::aggregate::BucketKey;
 use crate::click::{Minute, RejectReason};
@@ -233,7 +233,12 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
             malformed_i += 1;
             *truth.malformed.entry(reason).or_default() += 1;
             let payload = malformed(reason, send_ms, &mut rng);
-            records.push(Planned { key: format!("bad-{i}"), payload, timestamp_ms: send_ms, kind: Kind::Malformed(reason) });
+            records.push(Planned {
+                key: format!("bad-{i}"),
+                payload,
+                timestamp_ms: send_ms,
+                kind: Kind::Malformed(reason),
+            });
         } else if roll < spec.malformed_ratio + spec.duplicate_ratio && !sent.is_empty() {
             // Mostly a quick retry of a recent click; sometimes a much older one.
             let idx = if rng.random_bool(0.7) {
@@ -308,8 +313,9 @@ pub async fn send(
 ) -> Result<(), SendError> {
     source::ensure_topic(k, topic, partitions).await?;
     let deliveries = Deliveries::default();
-    let producer: ThreadedProducer<Deliveries> =
-        source::producer_config(k).set("queue.buffering.max.messages", "500000").create_with_context(deliveries.clone())?;
+    let producer: ThreadedProducer<Deliveries> = source::producer_config(k)
+        .set("queue.buffering.max.messages", "500000")
+        .create_with_context(deliveries.clone())?;
     let started = Instant::now();
     for (i, r) in records.iter().enumerate() {
         if let Some(rate) = rate.filter(|r| *r > 0) {
@@ -339,9 +345,7 @@ pub async fn send(
         }
     }
     let flush = producer.clone();
-    tokio::task::spawn_blocking(move || flush.flush(Duration::from_secs(120)))
-        .await
-        .expect("flush task")?;
+    tokio::task::spawn_blocking(move || flush.flush(Duration::from_secs(120))).await.expect("flush task")?;
     progress(records.len() as u64);
     let failed = deliveries.failed.load(Ordering::Relaxed);
     if failed > 0 {

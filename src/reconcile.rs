@@ -179,10 +179,8 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
         }
     };
     let paths: Vec<PathBuf> = (0..files).map(|i| dir.join(format!("reconcile-{i:04}.bin"))).collect();
-    let mut writers = paths
-        .iter()
-        .map(|p| std::fs::File::create(p).map(BufWriter::new))
-        .collect::<std::io::Result<Vec<_>>>()?;
+    let mut writers =
+        paths.iter().map(|p| std::fs::File::create(p).map(BufWriter::new)).collect::<std::io::Result<Vec<_>>>()?;
 
     let group = format!("{}-reconcile", s.kafka.group);
     let mut reader = RangeReader::new(&s.kafka, &group, &ranges, s.validation.limits(), s.pipeline.max_poll_records)?;
@@ -232,7 +230,8 @@ fn scan_ranges(s: &Settings, from_ms: i64, to_ms: i64) -> Result<Ranges> {
     let timeout = Duration::from_secs(15);
     let parts = source::partitions(&consumer, topic, timeout)?;
     let starts = source::offsets_for_time(&consumer, topic, &parts, from_ms, timeout)?;
-    let ends: BTreeMap<i32, Option<i64>> = source::offsets_for_time(&consumer, topic, &parts, to_ms, timeout)?.into_iter().collect();
+    let ends: BTreeMap<i32, Option<i64>> =
+        source::offsets_for_time(&consumer, topic, &parts, to_ms, timeout)?.into_iter().collect();
     let mut ranges = Ranges::default();
     for (p, start) in starts {
         let (low, high) = rdkafka::consumer::Consumer::fetch_watermarks(&consumer, topic, p, timeout)?;

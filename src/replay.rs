@@ -237,7 +237,9 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     }
     let deadline = Instant::now() + s.pipeline.drain_timeout.max(Duration::from_secs(60));
     if !stages.flush_until(deadline, reader.consumer(), CommitMode::Async).await? {
-        bail!("ClickHouse did not take the last rows within the drain timeout; run the replay again (it is idempotent)");
+        bail!(
+            "ClickHouse did not take the last rows within the drain timeout; run the replay again (it is idempotent)"
+        );
     }
     progress.finish();
     Ok(Summary { ranges, stats: stages.totals, rows_written: stages.rows_flushed, elapsed: started.elapsed() })
@@ -255,9 +257,11 @@ impl Progress {
             return Progress { bars: None, last_log: std::sync::Mutex::new(Instant::now()) };
         }
         let multi = indicatif::MultiProgress::new();
-        let style = indicatif::ProgressStyle::with_template("partition {prefix:>3} [{bar:40}] {pos}/{len} ({per_sec}, eta {eta})")
-            .expect("valid template")
-            .progress_chars("=> ");
+        let style = indicatif::ProgressStyle::with_template(
+            "partition {prefix:>3} [{bar:40}] {pos}/{len} ({per_sec}, eta {eta})",
+        )
+        .expect("valid template")
+        .progress_chars("=> ");
         let bars = ranges
             .partitions
             .iter()

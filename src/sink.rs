@@ -145,7 +145,10 @@ impl Sink {
         self.timeout
     }
 
-    async fn timed<T>(&self, fut: impl std::future::Future<Output = clickhouse::error::Result<T>>) -> Result<T, SinkError> {
+    async fn timed<T>(
+        &self,
+        fut: impl std::future::Future<Output = clickhouse::error::Result<T>>,
+    ) -> Result<T, SinkError> {
         match tokio::time::timeout(self.timeout, fut).await {
             Ok(r) => r.map_err(classify),
             Err(_) => Err(SinkError::Transient(format!("no answer within {:?}", self.timeout))),
@@ -253,7 +256,12 @@ impl Sink {
     }
 
     /// Billing counts per bucket for `topic` (all topics when `None`) in `[from, to)`.
-    pub async fn billing(&self, topic: Option<&str>, from: Option<Minute>, to: Option<Minute>) -> Result<Billing, SinkError> {
+    pub async fn billing(
+        &self,
+        topic: Option<&str>,
+        from: Option<Minute>,
+        to: Option<Minute>,
+    ) -> Result<Billing, SinkError> {
         let mut filters = Vec::new();
         if let Some(t) = topic {
             filters.push(format!("topic = {}", quote_literal(t)));
@@ -334,9 +342,12 @@ mod tests {
 
     #[test]
     fn error_codes_decide_retry_or_stop() {
-        let fatal = clickhouse::error::Error::BadResponse("Code: 60, e.displayText() = DB::Exception: Table x doesn't exist".into());
+        let fatal = clickhouse::error::Error::BadResponse(
+            "Code: 60, e.displayText() = DB::Exception: Table x doesn't exist".into(),
+        );
         assert!(classify(fatal).is_fatal());
-        let busy = clickhouse::error::Error::BadResponse("Code: 202. DB::Exception: Too many simultaneous queries".into());
+        let busy =
+            clickhouse::error::Error::BadResponse("Code: 202. DB::Exception: Too many simultaneous queries".into());
         assert!(!classify(busy).is_fatal());
         assert!(!classify(clickhouse::error::Error::TimedOut).is_fatal());
     }

@@ -157,9 +157,7 @@ pub async fn ensure_topic(k: &KafkaSettings, topic: &str, partitions: i32) -> Re
         Some(Err((_, RDKafkaErrorCode::InvalidReplicationFactor))) => {
             let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(-1));
             match admin.create_topics([&new], &opts).await?.pop() {
-                Some(Err((_, code))) if code != RDKafkaErrorCode::TopicAlreadyExists => {
-                    Err(KafkaError::AdminOp(code))
-                }
+                Some(Err((_, code))) if code != RDKafkaErrorCode::TopicAlreadyExists => Err(KafkaError::AdminOp(code)),
                 _ => Ok(()),
             }
         }
@@ -244,7 +242,13 @@ pub struct RangeReader {
 }
 
 impl RangeReader {
-    pub fn new(k: &KafkaSettings, group: &str, ranges: &Ranges, limits: Limits, max_records: usize) -> Result<RangeReader, KafkaError> {
+    pub fn new(
+        k: &KafkaSettings,
+        group: &str,
+        ranges: &Ranges,
+        limits: Limits,
+        max_records: usize,
+    ) -> Result<RangeReader, KafkaError> {
         let mut config = assigned_consumer_config(k, group);
         // End-of-partition events tell a range whose last offsets are transaction
         // markers (never delivered) that it is done.

@@ -59,8 +59,18 @@ pub fn metrics() -> PrometheusHandle {
 /// before the first event (a missing series reads as "no data", not as zero).
 pub fn register_zeroes() {
     for name in [
-        RECORDS_CONSUMED, CLICKS_COUNTED, DUPLICATES_DROPPED, REDELIVERIES, DEAD_LETTERS, SKIPPED_PARTIAL_BATCH,
-        FLUSHES, ROWS_FLUSHED, REDIS_ERRORS, REDIS_RETRIES, CLICKHOUSE_ERRORS, CLICKHOUSE_RETRIES,
+        RECORDS_CONSUMED,
+        CLICKS_COUNTED,
+        DUPLICATES_DROPPED,
+        REDELIVERIES,
+        DEAD_LETTERS,
+        SKIPPED_PARTIAL_BATCH,
+        FLUSHES,
+        ROWS_FLUSHED,
+        REDIS_ERRORS,
+        REDIS_RETRIES,
+        CLICKHOUSE_ERRORS,
+        CLICKHOUSE_RETRIES,
     ] {
         metrics::counter!(name).absolute(0);
     }

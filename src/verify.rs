@@ -116,7 +116,10 @@ mod tests {
             ]
         );
         let report = d.report(10);
-        assert!(report.contains("3 ad-minutes differ (1 missing, 1 unexpected): 1 clicks missing, 3 clicks over-counted"), "{report}");
+        assert!(
+            report.contains("3 ad-minutes differ (1 missing, 1 unexpected): 1 clicks missing, 3 clicks over-counted"),
+            "{report}"
+        );
     }
 
     #[test]

@@ -51,7 +51,8 @@ async fn replaying_the_whole_topic_three_times_changes_no_count() {
     let position = |h: &std::collections::BTreeMap<String, String>| {
         (h["clickagg-source-partition"].clone(), h["clickagg-source-offset"].clone())
     };
-    let live: HashSet<_> = letters.iter().filter(|d| d.headers["clickagg-origin"] == "run").map(|d| position(&d.headers)).collect();
+    let live: HashSet<_> =
+        letters.iter().filter(|d| d.headers["clickagg-origin"] == "run").map(|d| position(&d.headers)).collect();
     assert_eq!(live.len(), bad);
     for d in letters.iter().filter(|d| d.headers["clickagg-origin"] == "replay") {
         assert!(live.contains(&position(&d.headers)), "a replayed dead letter names a position the live run did");
@@ -95,7 +96,7 @@ async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
     // The first half is in the topic before anything runs; the rest arrives meanwhile.
     let (first, rest) = records.split_at(60_000);
     env.send(first, 4, None).await;
-    let producer = env.spawn_producer(&rest, 4, 15_000);
+    let producer = env.spawn_producer(rest, 4, 15_000);
     let mut live = env.spawn_member("live");
     live.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
     run_to_end(&env, "replay-a", &["replay"], &[], 0);

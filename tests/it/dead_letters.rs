@@ -36,7 +36,15 @@ async fn rejects(name: &str, reason: RejectReason, bad: impl Fn(i64) -> Vec<u8>)
     for (i, at) in [40usize, 120, 200].into_iter().enumerate() {
         let ts = records[at].timestamp_ms;
         let payload = bad(ts);
-        records.insert(at, Planned { key: format!("bad-{i}"), payload, timestamp_ms: ts, kind: clickagg::produce::Kind::Malformed(reason) });
+        records.insert(
+            at,
+            Planned {
+                key: format!("bad-{i}"),
+                payload,
+                timestamp_ms: ts,
+                kind: clickagg::produce::Kind::Malformed(reason),
+            },
+        );
     }
     env.send(&records, 2, None).await;
     let mut member = env.spawn_member("m");
@@ -72,7 +80,10 @@ async fn malformed_json_is_dead_lettered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_field_of_the_wrong_type_is_dead_lettered() {
-    rejects("dl_type", RejectReason::WrongType, |ts| format!(r#"{{"click_id":"x","ad_id":"7","ts":{ts}}}"#).into_bytes()).await;
+    rejects("dl_type", RejectReason::WrongType, |ts| {
+        format!(r#"{{"click_id":"x","ad_id":"7","ts":{ts}}}"#).into_bytes()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,7 +101,10 @@ async fn an_oversized_payload_is_dead_lettered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_empty_click_id_is_dead_lettered() {
-    rejects("dl_emptyid", RejectReason::EmptyClickId, |ts| format!(r#"{{"click_id":"","ad_id":7,"ts":{ts}}}"#).into_bytes()).await;
+    rejects("dl_emptyid", RejectReason::EmptyClickId, |ts| {
+        format!(r#"{{"click_id":"","ad_id":7,"ts":{ts}}}"#).into_bytes()
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -112,8 +126,11 @@ async fn a_timestamp_too_far_ahead_of_the_record_is_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timestamp_too_far_behind_the_record_is_dead_lettered() {
     rejects("dl_behind", RejectReason::TimestampBehind, |ts| {
-        format!(r#"{{"click_id":"x","ad_id":7,"ts":"{}"}}"#, chrono::DateTime::from_timestamp_millis(ts - 7 * 3_600_000).unwrap().to_rfc3339())
-            .into_bytes()
+        format!(
+            r#"{{"click_id":"x","ad_id":7,"ts":"{}"}}"#,
+            chrono::DateTime::from_timestamp_millis(ts - 7 * 3_600_000).unwrap().to_rfc3339()
+        )
+        .into_bytes()
     })
     .await;
 }

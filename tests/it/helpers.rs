@@ -48,11 +48,7 @@ pub fn require_services() {
         ("Redis", host_port(&redis_url())),
         ("ClickHouse", host_port(&clickhouse_url())),
     ] {
-        let ok = addr
-            .parse()
-            .ok()
-            .and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(3)).ok())
-            .is_some();
+        let ok = addr.parse().ok().and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(3)).ok()).is_some();
         assert!(ok, "{name} is not reachable at {addr}: start the services with `scripts/stack up`");
     }
 }
@@ -209,9 +205,7 @@ impl TestEnv {
     }
 
     pub async fn send(&self, records: &[Planned], partitions: i32, rate: Option<u64>) {
-        produce::send(&self.settings().kafka, &self.topic, partitions, records, rate, |_| {})
-            .await
-            .expect("produce");
+        produce::send(&self.settings().kafka, &self.topic, partitions, records, rate, |_| {}).await.expect("produce");
     }
 
     /// Produces `records` in the background at `rate` records/s, while the test goes on.
@@ -239,7 +233,11 @@ impl TestEnv {
                 break;
             }
             if Instant::now() > deadline {
-                panic!("counts did not converge within {timeout:?}:\n{}\nlogs: {}", d.report(20), self.log_dir.display());
+                panic!(
+                    "counts did not converge within {timeout:?}:\n{}\nlogs: {}",
+                    d.report(20),
+                    self.log_dir.display()
+                );
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
         }
@@ -285,15 +283,13 @@ impl TestEnv {
             tpl.add_partition(&self.topic, *p);
         }
         let c = consumer.committed_offsets(tpl, Duration::from_secs(10)).unwrap();
-        c.elements()
-            .iter()
-            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { o } else { -1 }))
-            .collect()
+        c.elements().iter().map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { o } else { -1 })).collect()
     }
 
     /// Partition → high watermark of the topic.
     pub fn high_watermarks(&self) -> BTreeMap<i32, i64> {
-        let consumer: BaseConsumer = rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().unwrap();
+        let consumer: BaseConsumer =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().unwrap();
         let parts = clickagg::source::partitions(&consumer, &self.topic, Duration::from_secs(10)).unwrap();
         parts
             .into_iter()
@@ -334,7 +330,12 @@ impl Member {
                     return from + i + 1;
                 }
             }
-            assert!(Instant::now() < deadline, "{}: no line with {needle:?} within {timeout:?}; log {}", self.label, self.log_path.display());
+            assert!(
+                Instant::now() < deadline,
+                "{}: no line with {needle:?} within {timeout:?}; log {}",
+                self.label,
+                self.log_path.display()
+            );
             std::thread::sleep(Duration::from_millis(5));
         }
     }
@@ -434,7 +435,7 @@ fn dechunk(body: &str) -> String {
             break;
         }
         out.push_str(&tail[..n]);
-        rest = &tail[n..].trim_start_matches("\r\n");
+        rest = tail[n..].trim_start_matches("\r\n");
     }
     out
 }
@@ -579,4 +580,3 @@ pub fn read_dead_letters(env: &TestEnv, want: usize) -> Vec<DeadLetter> {
     }
     out
 }
-

@@ -122,7 +122,8 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     let mut env = TestEnv::with_stack("secrets", &stack).await;
     let redis_secret = format!("redis-pw-{:x}", rand::random::<u64>());
     {
-        let mut c = redis::Client::open(env.redis_url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
+        let mut c =
+            redis::Client::open(env.redis_url.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
         let _: () = redis::cmd("ACL")
             .arg(&["SETUSER", "clickagg", "on", &format!(">{redis_secret}"), "~*", "+@all"][..])
             .query_async(&mut c)
@@ -147,7 +148,8 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
         .map(|(k, v)| (k.to_string(), v.to_string())),
     );
     let config_arg = config.display().to_string();
-    let flags = ["--config", config_arg.as_str(), "--clickhouse-user", "clickagg", "--clickhouse-password", clickhouse_secret];
+    let flags =
+        ["--config", config_arg.as_str(), "--clickhouse-user", "clickagg", "--clickhouse-password", clickhouse_secret];
     let secrets = [kafka_secret, clickhouse_secret, redis_secret.as_str()];
     let assert_clean = |what: &str, output: &str| {
         for s in &secrets {
@@ -166,7 +168,10 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     assert_eq!(config.wait(Duration::from_secs(30)), 0);
     let printed = config.output();
     assert_clean("config", &printed);
-    assert!(printed.contains("sasl_password = \"[redacted]\"") && printed.contains("password = \"[redacted]\""), "{printed}");
+    assert!(
+        printed.contains("sasl_password = \"[redacted]\"") && printed.contains("password = \"[redacted]\""),
+        "{printed}"
+    );
 
     // Wrong credentials fail clearly, and the wrong secret does not leak either.
     for (label, extra) in [
@@ -174,7 +179,11 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
         ("bad-redis", ("CLICKAGG__REDIS__PASSWORD", "wrong-redis-hunter2")),
         ("bad-kafka", ("CLICKAGG__KAFKA__SASL_PASSWORD", "wrong-kafka-hunter2")),
     ] {
-        let args: Vec<&str> = if label == "bad-clickhouse" { vec!["--config", &config_arg, "--clickhouse-user", "clickagg", "run"] } else { [&flags[..], &["run"]].concat() };
+        let args: Vec<&str> = if label == "bad-clickhouse" {
+            vec!["--config", &config_arg, "--clickhouse-user", "clickagg", "run"]
+        } else {
+            [&flags[..], &["run"]].concat()
+        };
         let mut bad = env.spawn(label, &args, &[extra]);
         if label == "bad-redis" {
             // Redis refuses at the first poll batch; give it records to claim.
@@ -205,7 +214,8 @@ async fn scram_sha_256_and_512_connect_producer_and_member() {
     env.extra_env = sasl("SCRAM-SHA-256");
     let truth_file = env.log_dir.join("truth.csv");
     let truth_arg = truth_file.display().to_string();
-    let mut producer = env.spawn("produce", &["produce", "--count", "5000", "--seed", "44", "--truth", &truth_arg], &[]);
+    let mut producer =
+        env.spawn("produce", &["produce", "--count", "5000", "--seed", "44", "--truth", &truth_arg], &[]);
     assert_eq!(producer.wait(Duration::from_secs(120)), 0, "{}", producer.output());
     let produced = clickagg::produce::Truth::read_csv(&truth_file).unwrap();
     assert_eq!(produced.values().sum::<u64>(), truth.clicks, "the CLI's generator matches the library's");
