@@ -391,7 +391,7 @@ pub type Override = (&'static str, figment::value::Value);
 impl Settings {
     /// Layers defaults < file < environment < flags and validates the result.
     pub fn load(file: Option<&Path>, overrides: Vec<Override>) -> Result<Settings, ConfigError> {
-        Self::load_from_env(file, overrides, Env::prefixed("CLICKAGG__").split("__"))
+        Self::load_layers(file, overrides, Env::prefixed("CLICKAGG__").split("__"))
     }
 
     /// Like [`load`](Self::load), reading `CLICKAGG__…` variables from `vars` instead of
@@ -401,29 +401,22 @@ impl Settings {
         overrides: Vec<Override>,
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Result<Settings, ConfigError> {
-        let vars: Vec<(String, String)> = vars.into_iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        let env = Env::prefixed("CLICKAGG__").split("__").filter(|_| false);
-        let mut figment_env = figment::Figment::new();
-        for (k, v) in &vars {
+        let mut env = Figment::new();
+        for (k, v) in vars {
             if let Some(rest) = k.strip_prefix("CLICKAGG__") {
                 let key = rest.to_ascii_lowercase().replace("__", ".");
                 // Parsed the way figment's `Env` parses values (numbers, booleans, strings).
                 let value: figment::value::Value = v.parse().expect("infallible");
-                figment_env = figment_env.merge(Serialized::default(&key, value));
+                env = env.merge(Serialized::default(&key, value));
             }
         }
-        Self::load_layers(file, overrides, env, figment_env)
-    }
-
-    fn load_from_env(file: Option<&Path>, overrides: Vec<Override>, env: Env) -> Result<Settings, ConfigError> {
-        Self::load_layers(file, overrides, env, figment::Figment::new())
+        Self::load_layers(file, overrides, env)
     }
 
     fn load_layers(
         file: Option<&Path>,
         overrides: Vec<Override>,
-        env: Env,
-        extra_env: Figment,
+        env: impl figment::Provider,
     ) -> Result<Settings, ConfigError> {
         // Every struct is `#[serde(default)]`, so an empty figment yields the defaults.
         let mut figment = Figment::new();
@@ -433,7 +426,7 @@ impl Settings {
             }
             figment = figment.merge(Toml::file_exact(path));
         }
-        figment = figment.merge(env).merge(extra_env);
+        figment = figment.merge(env);
         for (key, value) in overrides {
             figment = figment.merge(Serialized::default(key, value));
         }

@@ -19,7 +19,7 @@ use std::time::Duration;
 use futures_util::future::join_all;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::config::KafkaSettings;
 use crate::source::{producer_config, Record};
@@ -93,9 +93,5 @@ impl DeadLetters {
             result.map_err(|(e, _)| e)?;
         }
         Ok(n)
-    }
-
-    pub fn flush(&self, timeout: Duration) {
-        let _ = self.producer.flush(timeout);
     }
 }

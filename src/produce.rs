@@ -329,7 +329,6 @@ pub async fn send(
         if !r.payload.is_empty() {
             record = record.payload(r.payload.as_slice());
         }
-        let mut record = record;
         loop {
             match producer.send(record) {
                 Ok(()) => break,

@@ -12,7 +12,6 @@
 
 use std::collections::BTreeMap;
 use std::io::IsTerminal;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
@@ -209,7 +208,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         None
     };
     let config = StagesConfig { commit_offsets: false, ..StagesConfig::from_settings(s) };
-    let mut stages = Stages::new(config, dedup, dead_letters, sink, Arc::new(Health::default()));
+    let mut stages = Stages::new(config, dedup, dead_letters, sink, Health::new());
     stages.assign(&ranges.partitions.keys().copied().collect::<Vec<_>>());
 
     let group = format!("{}-replay", s.kafka.group);

@@ -272,10 +272,6 @@ impl RangeReader {
         &self.consumer
     }
 
-    pub fn topic(&self) -> &str {
-        &self.topic
-    }
-
     /// Partition → next offset to read, for partitions not finished.
     pub fn positions(&self) -> impl Iterator<Item = (i32, i64)> + '_ {
         self.open.iter().map(|(&p, &(next, _))| (p, next))

@@ -1,7 +1,6 @@
 //! Outages without loss: each test stops one service of a private stack mid-run and
 //! starts it again; the member recovers by itself and the counts end exact.
 
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use clickagg::produce::Spec;
@@ -23,10 +22,6 @@ fn wait_ready(member: &crate::helpers::Member, want: u16, timeout: Duration) -> 
     }
 }
 
-fn committed(env: &TestEnv) -> BTreeMap<i32, i64> {
-    env.committed_offsets()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly() {
     let stack = PrivateStack::start("redis-outage", &["redis"]);
@@ -43,9 +38,9 @@ async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly
     let body = wait_ready(&member, 503, Duration::from_secs(15));
     assert!(body.contains("redis unreachable"), "{body}");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = committed(&env);
+    let before = env.committed_offsets();
     tokio::time::sleep(Duration::from_secs(20).saturating_sub(outage.elapsed())).await;
-    assert_eq!(committed(&env), before, "nothing may be committed while dedup is impossible");
+    assert_eq!(env.committed_offsets(), before, "nothing may be committed while dedup is impossible");
     assert!(member.metric("clickagg_redis_errors_total", &[]) > 0.0);
     stack.up("redis");
 
@@ -72,7 +67,7 @@ async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_
     let body = wait_ready(&member, 503, Duration::from_secs(15));
     assert!(body.contains("clickhouse unreachable"), "{body}");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = committed(&env);
+    let before = env.committed_offsets();
     // Consumption pauses once the unflushed state reaches the bound: memory stays bounded.
     let deadline = Instant::now() + Duration::from_secs(25);
     while member.metric("clickagg_consumption_paused", &[]) < 1.0 {
@@ -82,7 +77,7 @@ async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_
     let held = member.metric("clickagg_unflushed_buckets", &[]);
     assert!(held >= bound as f64 && held < (bound + 2 * 2_000) as f64, "{held} buckets held, bound {bound}");
     tokio::time::sleep(Duration::from_secs(30).saturating_sub(outage.elapsed())).await;
-    assert_eq!(committed(&env), before, "nothing may be committed while ClickHouse is down");
+    assert_eq!(env.committed_offsets(), before, "nothing may be committed while ClickHouse is down");
     assert!(member.metric("clickagg_clickhouse_retries_total", &[]) > 0.0);
     stack.up("clickhouse");
 
@@ -131,12 +126,12 @@ async fn sigterm_past_the_drain_timeout_exits_non_zero_without_committing_unflus
     // Clicks read while ClickHouse is down can only be flushed by a later owner.
     env.send(rest, 4, None).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let before = committed(&env);
+    let before = env.committed_offsets();
     let started = Instant::now();
     let code = member.terminate(Duration::from_secs(30));
     assert_eq!(code, 3, "exit 3 when the drain timeout passes:\n{}", member.output());
     assert!(started.elapsed() < Duration::from_secs(15), "the drain is bounded by its timeout");
-    assert_eq!(committed(&env), before, "nothing unflushed was committed");
+    assert_eq!(env.committed_offsets(), before, "nothing unflushed was committed");
 
     stack.up("clickhouse");
     let mut next = env.spawn_member("next");
