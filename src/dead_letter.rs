@@ -17,9 +17,11 @@
 use std::time::Duration;
 
 use futures_util::future::join_all;
+use rdkafka::config::ClientConfig;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaErrorCode;
 
 use crate::config::KafkaSettings;
 use crate::source::{producer_config, Record};
@@ -32,9 +34,13 @@ pub const SOURCE_OFFSET: &str = "clickagg-source-offset";
 pub const SOURCE_TIMESTAMP: &str = "clickagg-source-timestamp";
 pub const ORIGIN: &str = "clickagg-origin";
 
-#[derive(Clone)]
+/// How long one dead letter may wait for its acknowledgement before the send fails.
+const DELIVERY_TIMEOUT: Duration = Duration::from_secs(20);
+
 pub struct DeadLetters {
     producer: FutureProducer,
+    /// Kept to build a fresh producer when one stops delivering (see [`renew`](Self::renew)).
+    config: ClientConfig,
     topic: String,
     source_topic: String,
     origin: &'static str,
@@ -42,8 +48,24 @@ pub struct DeadLetters {
 
 impl DeadLetters {
     pub fn new(k: &KafkaSettings, topic: String, origin: &'static str) -> Result<DeadLetters, KafkaError> {
-        let producer: FutureProducer = producer_config(k).set("linger.ms", "0").create()?;
-        Ok(DeadLetters { producer, topic, source_topic: k.topic.clone(), origin })
+        let mut config = producer_config(k);
+        // A dead letter may be produced twice anyway (a re-read produces it again; the
+        // source-position headers identify copies), so idempotence buys nothing here,
+        // while its producer-ID state can keep a producer from delivering after a broker
+        // restart. A bounded delivery time turns any stall into an error we retry.
+        config
+            .set("linger.ms", "0")
+            .set("enable.idempotence", "false")
+            .set("message.timeout.ms", DELIVERY_TIMEOUT.as_millis().to_string());
+        let producer: FutureProducer = config.create()?;
+        Ok(DeadLetters { producer, config, topic, source_topic: k.topic.clone(), origin })
+    }
+
+    /// Replaces the producer after a failed send, so a producer wedged by a broker
+    /// restart cannot stall its partition.
+    pub fn renew(&mut self) -> Result<(), KafkaError> {
+        self.producer = self.config.create()?;
+        Ok(())
     }
 
     pub fn topic(&self) -> &str {
@@ -89,7 +111,12 @@ impl DeadLetters {
             deliveries.push(self.producer.send(record, Duration::from_secs(30)));
         }
         let n = deliveries.len();
-        for result in join_all(deliveries).await {
+        // librdkafka fails each delivery after `message.timeout.ms`; this outer bound
+        // only guards against an acknowledgement that never comes at all.
+        let results = tokio::time::timeout(DELIVERY_TIMEOUT + Duration::from_secs(5), join_all(deliveries))
+            .await
+            .map_err(|_| KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut))?;
+        for result in results {
             result.map_err(|(e, _)| e)?;
         }
         Ok(n)

@@ -375,7 +375,7 @@ impl Stages {
                 }
             }
         }
-        let Some(dl) = &self.dead_letters else { return Ok(invalid) };
+        let Some(dl) = &mut self.dead_letters else { return Ok(invalid) };
         let mut backoff = Backoff::new(self.max_backoff);
         loop {
             match dl.send(records).await {
@@ -385,7 +385,10 @@ impl Stages {
                 }
                 Err(e) => {
                     metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
-                    warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying");
+                    warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying with a new producer");
+                    if let Err(e) = dl.renew() {
+                        warn!(error = %e, "could not create a dead-letter producer");
+                    }
                     sleep_or_shutdown(backoff.next_delay(), shutdown).await?;
                 }
             }

@@ -92,7 +92,8 @@ async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_
 async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
     let stack = PrivateStack::start("kafka-restart", &["kafka"]);
     let env = TestEnv::with_stack("kafkarestart", &stack).await;
-    let (records, truth) = env.plan(Spec { count: 90_000, seed: 33, ..Spec::default() });
+    // Plenty of bad records, so the outage also hits dead letters in flight.
+    let (records, truth) = env.plan(Spec { count: 90_000, seed: 33, malformed_ratio: 0.05, ..Spec::default() });
     let producer = env.spawn_producer(&records, 4, 3_000);
     let mut member = env.spawn_member("m");
     member.wait_for_line("partitions assigned", 0, Duration::from_secs(90));
