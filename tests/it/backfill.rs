@@ -12,10 +12,10 @@ use crate::helpers::{read_dead_letters, redis_url, TestEnv};
 const CONVERGE: Duration = Duration::from_secs(180);
 const EXIT: Duration = Duration::from_secs(300);
 
-/// Runs `clickagg <args>` to completion and returns its output; asserts exit status.
-fn run_to_end(env: &TestEnv, label: &str, args: &[&str], extra: &[(&str, &str)], expect: i32) -> String {
+/// Runs `clickagg <args>` to completion and returns its whole output; asserts exit status.
+async fn run_to_end(env: &TestEnv, label: &str, args: &[&str], extra: &[(&str, &str)], expect: i32) -> String {
     let mut p = env.spawn(label, args, extra);
-    let code = p.wait(EXIT);
+    let code = p.wait(EXIT).await;
     assert_eq!(code, expect, "{label} exited {code}:\n{}", p.output());
     p.output()
 }
@@ -27,7 +27,7 @@ async fn counted_topic(name: &str, count: u64, seed: u64) -> (TestEnv, clickagg:
     env.send(&records, 4, None).await;
     let mut m = env.spawn_member("live");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(m.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
     (env, truth)
 }
 
@@ -36,7 +36,7 @@ async fn replaying_the_whole_topic_three_times_changes_no_count() {
     let (env, truth) = counted_topic("replay3x", 60_000, 11).await;
     let before = env.billing().await;
     for i in 0..3 {
-        let out = run_to_end(&env, &format!("replay{i}"), &["replay", "--from", "earliest", "--to", "latest"], &[], 0);
+        let out = run_to_end(&env, &format!("replay{i}"), &["replay", "--from", "earliest", "--to", "latest"], &[], 0).await;
         assert!(out.contains("replayed 60000 records"), "{out}");
         // Every click was claimed by its own position in the log, so it is counted again
         // in its batch (identical rows), never as a new click.
@@ -46,7 +46,7 @@ async fn replaying_the_whole_topic_three_times_changes_no_count() {
     // The replays re-rejected the bad records; their dead letters say so, and name the
     // same source positions as the live run's, so a consumer can tell copies apart.
     let bad = truth.malformed_total() as usize;
-    let letters = read_dead_letters(&env, 4 * bad);
+    let letters = read_dead_letters(&env, 4 * bad).await;
     assert_eq!(letters.len(), 4 * bad);
     let position = |h: &std::collections::BTreeMap<String, String>| {
         (h["clickagg-source-partition"].clone(), h["clickagg-source-offset"].clone())
@@ -74,7 +74,7 @@ async fn a_dropped_table_is_rebuilt_by_a_replay_with_and_without_the_dedup_keys(
     env.send(&records, 4, None).await;
     let mut m = env.spawn_member("live");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(m.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
 
     for flush_redis in [false, true] {
         env.sink().execute("DROP TABLE ad_clicks_minute").await.unwrap();
@@ -83,7 +83,7 @@ async fn a_dropped_table_is_rebuilt_by_a_replay_with_and_without_the_dedup_keys(
         if flush_redis {
             let _: () = redis::cmd("FLUSHDB").query_async(&mut client).await.unwrap();
         }
-        run_to_end(&env, &format!("replay-flushdb-{flush_redis}"), &["replay", "--from", "earliest"], &[], 0);
+        run_to_end(&env, &format!("replay-flushdb-{flush_redis}"), &["replay", "--from", "earliest"], &[], 0).await;
         let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
         assert!(d.is_exact(), "after replay (FLUSHDB: {flush_redis}):\n{}", d.report(20));
     }
@@ -98,12 +98,12 @@ async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
     env.send(first, 4, None).await;
     let producer = env.spawn_producer(rest, 4, 15_000);
     let mut live = env.spawn_member("live");
-    live.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
-    run_to_end(&env, "replay-a", &["replay"], &[], 0);
-    run_to_end(&env, "replay-b", &["replay"], &[], 0);
+    live.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    run_to_end(&env, "replay-a", &["replay"], &[], 0).await;
+    run_to_end(&env, "replay-b", &["replay"], &[], 0).await;
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(live.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(live.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -111,7 +111,7 @@ async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
     let (env, truth) = counted_topic("midbatch", 40_000, 14).await;
     let before = env.billing().await;
     // Offsets in the middle of batches (batch_offsets = 1000), and a time in the middle.
-    let out = run_to_end(&env, "replay-offsets", &["replay", "--from", "0:1500,1:2999,2:10,3:7777"], &[], 0);
+    let out = run_to_end(&env, "replay-offsets", &["replay", "--from", "0:1500,1:2999,2:10,3:7777"], &[], 0).await;
     assert!(out.contains("replayed"), "{out}");
     assert_eq!(env.billing().await, before);
     let mid = chrono::DateTime::from_timestamp_millis(
@@ -119,7 +119,7 @@ async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
     )
     .unwrap()
     .to_rfc3339();
-    run_to_end(&env, "replay-time", &["replay", "--from", &mid], &[], 0);
+    run_to_end(&env, "replay-time", &["replay", "--from", &mid], &[], 0).await;
     assert_eq!(env.billing().await, before);
     let d = clickagg::verify::diff(&truth.counts, &before);
     assert!(d.is_exact(), "{}", d.report(10));
@@ -129,7 +129,7 @@ async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
 async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
     let (env, truth) = counted_topic("reconcile", 40_000, 15).await;
     let (from, to) = window(&truth.counts);
-    let out = run_to_end(&env, "reconcile-ok", &["reconcile", "--from", &from, "--to", &to], &[], 0);
+    let out = run_to_end(&env, "reconcile-ok", &["reconcile", "--from", &from, "--to", &to], &[], 0).await;
     assert!(out.contains("exact match"), "{out}");
     // Small spill budget: many spill files, same answer.
     let out = run_to_end(
@@ -138,14 +138,14 @@ async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
         &["reconcile", "--from", &from, "--to", &to, "--max-clicks-in-memory", "5000"],
         &[],
         0,
-    );
+    ).await;
     assert!(out.contains("exact match") && out.contains("8 spill file(s)"), "{out}");
 
     // Corrupt one bucket: a row for a batch that never existed, with a huge version.
     let (key, clicks) = truth.counts.iter().next().map(|(k, c)| (*k, *c)).unwrap();
     let forged = BatchRow { key, partition: 0, batch_start: 999_999_000, clicks: 5, version: i64::MAX - 1 };
     env.sink().insert(&env.topic, &[forged]).await.unwrap();
-    let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 1);
+    let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 1).await;
     assert!(out.contains("1 ad-minutes differ"), "{out}");
     assert!(out.contains(&key.minute.to_rfc3339()) && out.contains(&format!("{}", clicks + 5)), "{out}");
 }

@@ -2,30 +2,12 @@
 //! naming the reason and its source position; its partition keeps moving and the valid
 //! clicks around it are counted exactly. One test per bad-input class.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use clickagg::click::RejectReason;
 use clickagg::produce::{Planned, Spec};
-use rdkafka::consumer::Consumer;
-use rdkafka::message::Message;
-use rdkafka::{Offset, TopicPartitionList};
 
-use crate::helpers::{consumer, read_dead_letters, TestEnv};
-
-/// The payload stored at a position of the source topic.
-fn source_payload(env: &TestEnv, partition: i32, offset: i64) -> Option<Vec<u8>> {
-    let c = consumer(env);
-    let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&env.topic, partition, Offset::Offset(offset)).unwrap();
-    c.assign(&tpl).unwrap();
-    loop {
-        if let Some(m) = c.poll(Duration::from_secs(10)) {
-            let m = m.unwrap();
-            assert_eq!(m.offset(), offset);
-            return m.payload().map(<[u8]>::to_vec);
-        }
-    }
-}
+use crate::helpers::{read_dead_letters, source_payload, wait_until, TestEnv};
 
 /// Sends valid clicks with three bad records of one class among them, runs a member,
 /// and checks the dead letters, the counts and the committed offsets.
@@ -50,7 +32,7 @@ async fn rejects(name: &str, reason: RejectReason, bad: impl Fn(i64) -> Vec<u8>)
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&truth.counts, Duration::from_secs(120)).await;
 
-    let letters = read_dead_letters(&env, 3);
+    let letters = read_dead_letters(&env, 3).await;
     assert_eq!(letters.len(), 3, "dead letters of {reason}");
     for dl in &letters {
         assert_eq!(dl.headers["clickagg-reason"], reason.as_str(), "{:?}", dl.headers);
@@ -60,17 +42,19 @@ async fn rejects(name: &str, reason: RejectReason, bad: impl Fn(i64) -> Vec<u8>)
         let partition: i32 = dl.headers["clickagg-source-partition"].parse().unwrap();
         let offset: i64 = dl.headers["clickagg-source-offset"].parse().unwrap();
         // The headers point at the very record, and the raw bytes are kept as they were.
-        assert_eq!(source_payload(&env, partition, offset), dl.payload, "{reason} at {partition}/{offset}");
+        assert_eq!(source_payload(&env, partition, offset).await, dl.payload, "{reason} at {partition}/{offset}");
         // Its partition kept moving: the commit passes the poison record.
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while env.committed_offsets()[&partition] <= offset {
-            assert!(Instant::now() < deadline, "partition {partition} stuck at the {reason} record {offset}");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
+        wait_until(&format!("partition {partition} commits past the {reason} record {offset}"), Duration::from_secs(30), || async {
+            match env.committed_offsets().await[&partition] {
+                c if c > offset => Ok(()),
+                c => Err(format!("committed {c}")),
+            }
+        })
+        .await;
     }
-    assert_eq!(member.metric("clickagg_invalid_records_total", &[&format!("reason=\"{reason}\"")]), 3.0);
-    assert_eq!(member.metric("clickagg_dead_letters_produced_total", &[]), 3.0);
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.metric("clickagg_invalid_records_total", &[&format!("reason=\"{reason}\"")]).await, 3.0);
+    assert_eq!(member.metric("clickagg_dead_letters_produced_total", &[]).await, 3.0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@ use clickagg::produce::Spec;
 use rand::Rng;
 use rdkafka::Offset;
 
-use crate::helpers::TestEnv;
+use crate::helpers::{equals, wait_until, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 
@@ -19,12 +19,16 @@ async fn hundred_thousand_clicks_with_ten_percent_duplicates_count_exactly() {
 
     let mut member = env.spawn_member("m0");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.metric("clickagg_duplicates_dropped_total", &[]) as u64, truth.duplicates);
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0, "SIGTERM drains and exits 0");
+    // Duplicates after the last counted click may still be in flight: wait for them.
+    wait_until("every duplicate dropped", CONVERGE, || async {
+        equals(member.metric("clickagg_duplicates_dropped_total", &[]).await as u64, truth.duplicates)
+    })
+    .await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0, "SIGTERM drains and exits 0");
 
     // Offsets were committed behind the flushes: batch boundaries, never past the log end.
-    let high = env.high_watermarks();
-    for (p, committed) in env.committed_offsets() {
+    let high = env.high_watermarks().await;
+    for (p, committed) in env.committed_offsets().await {
         assert_eq!(committed % env.batch_offsets as i64, 0, "partition {p} committed {committed}");
         assert!(committed <= high[&p] && committed > 0, "partition {p}: committed {committed}, high {}", high[&p]);
     }
@@ -42,22 +46,22 @@ async fn members_killed_with_sigkill_mid_stream_and_mid_flush_count_exactly() {
     for round in 0..6 {
         let member_label = format!("m{round}");
         let mut member = env.spawn(&member_label, &["run"], &extra);
-        let seen = member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+        let seen = member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
         if round % 2 == 0 {
             // Kill as soon as a flush starts: the insert is in flight, no commit yet.
-            member.wait_for_line("\"flushing\"", seen, Duration::from_secs(30));
+            member.wait_for_line("\"flushing\"", seen, Duration::from_secs(30)).await;
             kills_during_flush += 1;
         } else {
             let ms = rand::rng().random_range(100..1500);
             tokio::time::sleep(Duration::from_millis(ms)).await;
         }
-        member.kill9();
+        member.kill9().await;
     }
     assert!(kills_during_flush >= 3);
     let mut last = env.spawn("last", &["run"], &extra);
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(last.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(last.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,23 +70,23 @@ async fn three_members_joining_and_leaving_the_group_count_exactly() {
     let (records, truth) = env.plan(Spec { count: 150_000, seed: 3, ..Spec::default() });
     let producer = env.spawn_producer(&records, 6, 12_000);
     let mut a = env.spawn_member("a");
-    a.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    a.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let mut b = env.spawn_member("b");
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut c = env.spawn_member("c");
-    c.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    c.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // A leaves gracefully (flush, commit, leave group); B crashes.
-    assert_eq!(a.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
     tokio::time::sleep(Duration::from_secs(1)).await;
-    b.kill9();
+    b.kill9().await;
     let mut d = env.spawn_member("d");
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert!(a.output().contains("partitions revoked"), "a saw its partitions move");
-    assert_eq!(c.terminate(Duration::from_secs(30)), 0);
-    assert_eq!(d.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(c.terminate(Duration::from_secs(30)).await, 0);
+    assert_eq!(d.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,21 +96,20 @@ async fn resetting_the_group_to_the_beginning_and_consuming_again_changes_no_cou
     env.send(&records, 4, None).await;
     let mut first = env.spawn_member("first");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(first.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(first.terminate(Duration::from_secs(30)).await, 0);
     let before = env.billing().await;
 
-    env.reset_group_offsets(Offset::Beginning);
-    assert!(env.committed_offsets().values().all(|&o| o == 0));
+    env.reset_group_offsets(Offset::Beginning).await;
+    assert!(env.committed_offsets().await.values().all(|&o| o == 0));
     let mut second = env.spawn_member("second");
-    let deadline = std::time::Instant::now() + CONVERGE;
-    while second.metric("clickagg_records_consumed_total", &[]) < records.len() as f64 {
-        assert!(std::time::Instant::now() < deadline, "second pass did not re-read the topic");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
+    wait_until("the second pass re-reads the topic", CONVERGE, || async {
+        equals(second.metric("clickagg_records_consumed_total", &[]).await as usize, records.len())
+    })
+    .await;
     // Every valid click is found in Redis under its own position: counted again in its
     // batch (same cumulative rows), never as new.
-    assert_eq!(second.metric("clickagg_redelivered_clicks_total", &[]) as u64, truth.clicks);
-    assert_eq!(second.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(second.metric("clickagg_redelivered_clicks_total", &[]).await as u64, truth.clicks);
+    assert_eq!(second.terminate(Duration::from_secs(30)).await, 0);
     assert_eq!(env.billing().await, before);
     env.assert_counts_converge(&truth.counts, Duration::from_secs(10)).await;
 }

@@ -5,137 +5,133 @@ use std::time::{Duration, Instant};
 
 use clickagg::produce::Spec;
 
-use crate::helpers::{PrivateStack, TestEnv};
+use crate::helpers::{equals, wait_until, Member, PrivateStack, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(240);
 
-/// Polls `/readyz` until its status is `want` (or panics after `timeout`).
-fn wait_ready(member: &crate::helpers::Member, want: u16, timeout: Duration) -> String {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let (status, body) = member.http_get("/readyz");
-        if status == want {
-            return body;
+/// Polls `/readyz` until its status is `want`; returns the body.
+async fn wait_ready(member: &Member, want: u16, timeout: Duration) -> String {
+    wait_until(&format!("/readyz answers {want}"), timeout, || async {
+        match member.http_get("/readyz").await {
+            (status, body) if status == want => Ok(body),
+            (status, body) => Err(format!("{status} {body}")),
         }
-        assert!(Instant::now() < deadline, "/readyz stayed {status} ({body}), wanted {want}");
-        std::thread::sleep(Duration::from_millis(250));
-    }
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly() {
-    let stack = PrivateStack::start("redis-outage", &["redis"]);
+    let stack = PrivateStack::start("redis-outage", &["redis"]).await;
     let env = TestEnv::with_stack("redisout", &stack).await;
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 31, ..Spec::default() });
     let producer = env.spawn_producer(&records, 4, 2_500);
     let mut member = env.spawn_member("m");
-    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
-    wait_ready(&member, 200, Duration::from_secs(30));
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    wait_ready(&member, 200, Duration::from_secs(30)).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
 
-    stack.down("redis");
+    stack.down("redis").await;
     let outage = Instant::now();
-    let body = wait_ready(&member, 503, Duration::from_secs(15));
+    let body = wait_ready(&member, 503, Duration::from_secs(15)).await;
     assert!(body.contains("redis unreachable"), "{body}");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = env.committed_offsets();
+    let before = env.committed_offsets().await;
     tokio::time::sleep(Duration::from_secs(20).saturating_sub(outage.elapsed())).await;
-    assert_eq!(env.committed_offsets(), before, "nothing may be committed while dedup is impossible");
-    assert!(member.metric("clickagg_redis_errors_total", &[]) > 0.0);
-    stack.up("redis");
+    assert_eq!(env.committed_offsets().await, before, "nothing may be committed while dedup is impossible");
+    assert!(member.metric("clickagg_redis_errors_total", &[]).await > 0.0);
+    stack.up("redis").await;
 
-    wait_ready(&member, 200, Duration::from_secs(30));
+    wait_ready(&member, 200, Duration::from_secs(30)).await;
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_exactly() {
-    let stack = PrivateStack::start("ch-outage", &["clickhouse"]);
+    let stack = PrivateStack::start("ch-outage", &["clickhouse"]).await;
     let mut env = TestEnv::with_stack("chout", &stack).await;
     let bound = 3_000;
     env.extra_env.push(("CLICKAGG__PIPELINE__MAX_UNFLUSHED_BUCKETS".into(), bound.to_string()));
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 32, ..Spec::default() });
     let producer = env.spawn_producer(&records, 4, 2_500);
     let mut member = env.spawn_member("m");
-    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_secs(4)).await;
 
-    stack.down("clickhouse");
+    stack.down("clickhouse").await;
     let outage = Instant::now();
-    let body = wait_ready(&member, 503, Duration::from_secs(15));
+    let body = wait_ready(&member, 503, Duration::from_secs(15)).await;
     assert!(body.contains("clickhouse unreachable"), "{body}");
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let before = env.committed_offsets();
+    let before = env.committed_offsets().await;
     // Consumption pauses once the unflushed state reaches the bound: memory stays bounded.
-    let deadline = Instant::now() + Duration::from_secs(25);
-    while member.metric("clickagg_consumption_paused", &[]) < 1.0 {
-        assert!(Instant::now() < deadline, "consumption never paused");
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
-    let held = member.metric("clickagg_unflushed_buckets", &[]);
+    wait_until("consumption pauses", Duration::from_secs(25), || async {
+        equals(member.metric("clickagg_consumption_paused", &[]).await, 1.0)
+    })
+    .await;
+    let held = member.metric("clickagg_unflushed_buckets", &[]).await;
     assert!(held >= bound as f64 && held < (bound + 2 * 2_000) as f64, "{held} buckets held, bound {bound}");
     tokio::time::sleep(Duration::from_secs(30).saturating_sub(outage.elapsed())).await;
-    assert_eq!(env.committed_offsets(), before, "nothing may be committed while ClickHouse is down");
-    assert!(member.metric("clickagg_clickhouse_retries_total", &[]) > 0.0);
-    stack.up("clickhouse");
+    assert_eq!(env.committed_offsets().await, before, "nothing may be committed while ClickHouse is down");
+    assert!(member.metric("clickagg_clickhouse_retries_total", &[]).await > 0.0);
+    stack.up("clickhouse").await;
 
-    wait_ready(&member, 200, Duration::from_secs(30));
+    wait_ready(&member, 200, Duration::from_secs(30)).await;
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.metric("clickagg_consumption_paused", &[]), 0.0);
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.metric("clickagg_consumption_paused", &[]).await, 0.0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
-    let stack = PrivateStack::start("kafka-restart", &["kafka"]);
+    let stack = PrivateStack::start("kafka-restart", &["kafka"]).await;
     let env = TestEnv::with_stack("kafkarestart", &stack).await;
     // Plenty of bad records, so the outage also hits dead letters in flight.
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 33, malformed_ratio: 0.05, ..Spec::default() });
     let producer = env.spawn_producer(&records, 4, 3_000);
     let mut member = env.spawn_member("m");
-    member.wait_for_line("partitions assigned", 0, Duration::from_secs(90));
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(90)).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
 
-    stack.down("kafka");
+    stack.down("kafka").await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    stack.up("kafka");
+    stack.up("kafka").await;
 
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert!(member.metric("clickagg_kafka_errors_total", &[]) > 0.0, "the member saw the broker go away");
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert!(member.metric("clickagg_kafka_errors_total", &[]).await > 0.0, "the member saw the broker go away");
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_past_the_drain_timeout_exits_non_zero_without_committing_unflushed_work() {
-    let stack = PrivateStack::start("drain-timeout", &["clickhouse"]);
+    let stack = PrivateStack::start("drain-timeout", &["clickhouse"]).await;
     let mut env = TestEnv::with_stack("draintimeout", &stack).await;
     env.extra_env.push(("CLICKAGG__PIPELINE__DRAIN_TIMEOUT".into(), "3s".into()));
     let (records, truth) = env.plan(Spec { count: 30_000, seed: 34, ..Spec::default() });
     let (first, rest) = records.split_at(15_000);
     env.send(first, 4, None).await;
     let mut member = env.spawn_member("m");
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while member.metric("clickagg_records_consumed_total", &[]) < first.len() as f64 {
-        assert!(Instant::now() < deadline, "the member did not consume the first half");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    stack.down("clickhouse");
+    wait_until("the member consumes the first half", Duration::from_secs(60), || async {
+        equals(member.metric("clickagg_records_consumed_total", &[]).await as usize, first.len())
+    })
+    .await;
+    stack.down("clickhouse").await;
     // Clicks read while ClickHouse is down can only be flushed by a later owner.
     env.send(rest, 4, None).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let before = env.committed_offsets();
+    let before = env.committed_offsets().await;
     let started = Instant::now();
-    let code = member.terminate(Duration::from_secs(30));
+    let code = member.terminate(Duration::from_secs(30)).await;
     assert_eq!(code, 3, "exit 3 when the drain timeout passes:\n{}", member.output());
     assert!(started.elapsed() < Duration::from_secs(15), "the drain is bounded by its timeout");
-    assert_eq!(env.committed_offsets(), before, "nothing unflushed was committed");
+    assert_eq!(env.committed_offsets().await, before, "nothing unflushed was committed");
 
-    stack.up("clickhouse");
+    stack.up("clickhouse").await;
     let mut next = env.spawn_member("next");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(next.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(next.terminate(Duration::from_secs(30)).await, 0);
 }

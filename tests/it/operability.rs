@@ -9,7 +9,7 @@ use clickagg::click::RejectReason;
 use clickagg::produce::Spec;
 use clickagg::source::{RangeReader, Ranges};
 
-use crate::helpers::{PrivateStack, TestEnv};
+use crate::helpers::{equals, wait_until, PrivateStack, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 
@@ -39,15 +39,15 @@ async fn sigterm_mid_run_flushes_commits_only_durable_clicks_and_a_restart_rerea
     let (records, truth) = env.plan(Spec { count: 80_000, seed: 41, ..Spec::default() });
     let producer = env.spawn_producer(&records, 4, 10_000);
     let mut first = env.spawn_member("first");
-    first.wait_for_line("partitions assigned", 0, Duration::from_secs(60));
+    first.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(first.terminate(Duration::from_secs(30)), 0, "SIGTERM drains and exits 0");
+    assert_eq!(first.terminate(Duration::from_secs(30)).await, 0, "SIGTERM drains and exits 0");
 
     // What the member had read when it drained, from its last log line about it.
     let line = first.lines().into_iter().find(|l| l.contains("drained: everything read")).expect("drain log line");
     let v: serde_json::Value = serde_json::from_str(&line).unwrap();
     let last_read: BTreeMap<i32, i64> = serde_json::from_str(v["last_read"].as_str().unwrap()).unwrap();
-    let committed = env.committed_offsets();
+    let committed = env.committed_offsets().await;
     let n = BatchOffsets::new(env.batch_offsets).unwrap();
     for (p, &last) in &last_read {
         let c = committed[p];
@@ -66,12 +66,15 @@ async fn sigterm_mid_run_flushes_commits_only_durable_clicks_and_a_restart_rerea
     producer.await.unwrap();
     let mut second = env.spawn_member("second");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    // The restart began at the committed boundaries: it read each partition from there.
-    let reread = second.metric("clickagg_records_consumed_total", &[]) as i64;
-    let high: i64 = env.high_watermarks().values().sum();
+    // The restart began at the committed boundaries: it read each partition from there
+    // (records after the last counted click may still be in flight, hence the wait).
+    let high: i64 = env.high_watermarks().await.values().sum();
     let from: i64 = committed.values().sum();
-    assert_eq!(reread, high - from, "the restarted member read exactly from the committed offsets");
-    assert_eq!(second.terminate(Duration::from_secs(30)), 0);
+    wait_until("the restarted member reads exactly from the committed offsets", CONVERGE, || async {
+        equals(second.metric("clickagg_records_consumed_total", &[]).await as i64, high - from)
+    })
+    .await;
+    assert_eq!(second.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,12 +83,17 @@ async fn metrics_and_readiness_report_what_happened_in_a_run() {
     let (records, truth) = env.plan(Spec { count: 30_000, malformed_ratio: 0.03, seed: 42, ..Spec::default() });
     env.send(&records, 4, None).await;
     let mut member = env.spawn_member("m");
-    assert_eq!(member.http_get("/livez").0, 200);
+    assert_eq!(member.http_get("/livez").await.0, 200);
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    // Records after the last counted click (duplicates, bad records) may still be in flight.
+    wait_until("every record consumed", CONVERGE, || async {
+        equals(member.metric("clickagg_records_consumed_total", &[]).await as usize, records.len())
+    })
+    .await;
 
-    let (status, body) = member.http_get("/readyz");
+    let (status, body) = member.http_get("/readyz").await;
     assert_eq!((status, body.trim()), (200, "ready"));
-    let (_, m) = member.http_get("/metrics");
+    let (_, m) = member.http_get("/metrics").await;
     let get = |name: &str, labels: &[&str]| crate::helpers::metric_value(&m, name, labels);
     assert_eq!(get("clickagg_records_consumed_total", &[]) as u64, records.len() as u64);
     assert_eq!(get("clickagg_clicks_counted_total", &[]) as u64, truth.clicks);
@@ -104,13 +112,17 @@ async fn metrics_and_readiness_report_what_happened_in_a_run() {
         assert!(m.contains(&format!("clickagg_committed_offset{{partition=\"{p}\"}}")), "committed offset of {p}");
     }
     // Lag comes from librdkafka statistics every 5 s.
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while !member.http_get("/metrics").1.contains("clickagg_consumer_lag{partition=") {
-        assert!(std::time::Instant::now() < deadline, "no consumer lag metric");
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    wait_until("a consumer lag metric", Duration::from_secs(20), || async {
+        let (_, m) = member.http_get("/metrics").await;
+        if m.contains("clickagg_consumer_lag{partition=") {
+            Ok(())
+        } else {
+            Err("no clickagg_consumer_lag series yet".into())
+        }
+    })
+    .await;
     assert!(!m.contains("ad_id=") && !m.contains("click_id="), "no unbounded labels");
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 /// Secrets from a file, the environment and flags reach their services and never
@@ -118,7 +130,7 @@ async fn metrics_and_readiness_report_what_happened_in_a_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     // A private Redis whose only user is an ACL user with a password.
-    let stack = PrivateStack::start("secrets", &["redis"]);
+    let stack = PrivateStack::start("secrets", &["redis"]).await;
     let mut env = TestEnv::with_stack("secrets", &stack).await;
     let redis_secret = format!("redis-pw-{:x}", rand::random::<u64>());
     {
@@ -161,11 +173,11 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     env.send(&records, 4, None).await;
     let mut member = env.spawn("m", &[&flags[..], &["run"]].concat(), &[]);
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
     assert_clean("run", &member.output());
 
     let mut config = env.spawn("config", &[&flags[..], &["config"]].concat(), &[]);
-    assert_eq!(config.wait(Duration::from_secs(30)), 0);
+    assert_eq!(config.wait(Duration::from_secs(30)).await, 0);
     let printed = config.output();
     assert_clean("config", &printed);
     assert!(
@@ -189,7 +201,7 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
             // Redis refuses at the first poll batch; give it records to claim.
             env.send(&records[..10], 4, None).await;
         }
-        let code = bad.wait(Duration::from_secs(90));
+        let code = bad.wait(Duration::from_secs(90)).await;
         let out = bad.output();
         assert_eq!(code, 1, "{label} should stop with a clear error:\n{out}");
         assert!(!out.contains("hunter2"), "{label} printed the wrong secret:\n{out}");
@@ -216,19 +228,19 @@ async fn scram_sha_256_and_512_connect_producer_and_member() {
     let truth_arg = truth_file.display().to_string();
     let mut producer =
         env.spawn("produce", &["produce", "--count", "5000", "--seed", "44", "--truth", &truth_arg], &[]);
-    assert_eq!(producer.wait(Duration::from_secs(120)), 0, "{}", producer.output());
+    assert_eq!(producer.wait(Duration::from_secs(120)).await, 0, "{}", producer.output());
     let produced = clickagg::produce::Truth::read_csv(&truth_file).unwrap();
     assert_eq!(produced.values().sum::<u64>(), truth.clicks, "the CLI's generator matches the library's");
 
     env.extra_env = sasl("SCRAM-SHA-512");
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&produced, CONVERGE).await;
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_a_private_ca_counts_exactly() {
-    let stack = PrivateStack::start_with("rediss", &["redis"], &["REDIS_TLS_PORT"]);
+    let stack = PrivateStack::start_with("rediss", &["redis"], &["REDIS_TLS_PORT"]).await;
     let mut env = TestEnv::with_stack("rediss", &stack).await;
     env.redis_url = format!("rediss://127.0.0.1:{}/", stack.port("REDIS_TLS_PORT"));
     let ca = stack.dir().join("redis/tls/cert.pem");
@@ -237,20 +249,20 @@ async fn rediss_with_a_private_ca_counts_exactly() {
     env.send(&records, 4, None).await;
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.http_get("/readyz").0, 200, "the readiness probe reaches Redis over TLS too");
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.http_get("/readyz").await.0, 200, "the readiness probe reaches Redis over TLS too");
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 
     // Without the CA the server certificate is not trusted: a clear, fatal error.
     env.extra_env.retain(|(k, _)| k != "CLICKAGG__REDIS__TLS_CA_FILE");
     env.send(&records[..10], 4, None).await;
     let mut untrusted = env.spawn_member("untrusted");
-    let code = untrusted.wait(Duration::from_secs(60));
+    let code = untrusted.wait(Duration::from_secs(60)).await;
     assert_ne!(code, 0, "{}", untrusted.output());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_clickhouse_with_a_private_ca_and_a_password_counts_exactly() {
-    let stack = PrivateStack::start_with("chs", &["clickhouse"], &["CLICKHOUSE_HTTPS_PORT"]);
+    let stack = PrivateStack::start_with("chs", &["clickhouse"], &["CLICKHOUSE_HTTPS_PORT"]).await;
     let mut env = TestEnv::with_stack("chhttps", &stack).await;
     env.clickhouse_url = format!("https://127.0.0.1:{}", stack.port("CLICKHOUSE_HTTPS_PORT"));
     env.clickhouse_ca = Some(stack.dir().join("clickhouse/tls/cert.pem"));
@@ -262,12 +274,12 @@ async fn https_clickhouse_with_a_private_ca_and_a_password_counts_exactly() {
     env.send(&records, 4, None).await;
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_over_tls_with_a_private_ca_counts_exactly_and_an_untrusted_broker_is_fatal() {
-    let stack = PrivateStack::start_with("kssl", &["kafka"], &["KAFKA_SSL_PORT"]);
+    let stack = PrivateStack::start_with("kssl", &["kafka"], &["KAFKA_SSL_PORT"]).await;
     let mut env = TestEnv::with_stack("kafkatls", &stack).await;
     let ca = stack.dir().join("kafka/tls/cert.pem").display().to_string();
     let ssl = format!("127.0.0.1:{}", stack.port("KAFKA_SSL_PORT"));
@@ -279,11 +291,11 @@ async fn kafka_over_tls_with_a_private_ca_counts_exactly_and_an_untrusted_broker
     env.send(&records, 4, None).await;
 
     let mut untrusted = env.spawn_member("untrusted");
-    let code = untrusted.wait(Duration::from_secs(90));
+    let code = untrusted.wait(Duration::from_secs(90)).await;
     assert_eq!(code, 1, "a broker certificate nobody vouches for is fatal:\n{}", untrusted.output());
 
     env.extra_env.push(("CLICKAGG__KAFKA__SSL_CA_LOCATION".into(), ca));
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }

@@ -221,7 +221,7 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
     env.send(&records, 4, None).await;
     let mut member = env.spawn_member("m0");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
-    assert_eq!(member.terminate(Duration::from_secs(30)), 0);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 
     let popular = ads_by_popularity(&truth);
     let minutes = || truth.counts.keys().map(|k| k.minute.epoch_seconds());

@@ -1,0 +1,268 @@
+//! The test environment: every test gets its own topic, consumer group, Redis key
+//! prefix and ClickHouse database on the real services started by `scripts/stack up`.
+//!
+//! A missing service fails the test with a message saying how to start it; nothing
+//! is skipped.
+
+use std::collections::BTreeMap;
+use std::net::TcpStream;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::Duration;
+
+use clickagg::aggregate::BucketKey;
+use clickagg::config::Settings;
+use clickagg::produce::{self, Planned, Spec, Truth};
+use clickagg::sink::Sink;
+use rand::Rng;
+
+use super::process::Member;
+use super::stack::PrivateStack;
+use super::wait::wait_until;
+
+pub const BIN: &str = env!("CARGO_BIN_EXE_clickagg");
+
+/// Service endpoints: `scripts/stack env` defaults, overridable like the product's.
+pub fn brokers() -> String {
+    std::env::var("CLICKAGG__KAFKA__BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+pub fn redis_url() -> String {
+    std::env::var("CLICKAGG__REDIS__URL").unwrap_or_else(|_| "redis://127.0.0.1:6379/".into())
+}
+pub fn clickhouse_url() -> String {
+    std::env::var("CLICKAGG__CLICKHOUSE__URL").unwrap_or_else(|_| "http://127.0.0.1:8123".into())
+}
+
+fn host_port(url: &str) -> String {
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let rest = rest.rsplit('@').next().unwrap_or(rest);
+    rest.split('/').next().unwrap_or(rest).to_string()
+}
+
+/// Panics (fails the test) unless all three services accept connections.
+pub fn require_services() {
+    for (name, addr) in [
+        ("Kafka", brokers().split(',').next().unwrap().to_string()),
+        ("Redis", host_port(&redis_url())),
+        ("ClickHouse", host_port(&clickhouse_url())),
+    ] {
+        let ok = addr.parse().ok().and_then(|a| TcpStream::connect_timeout(&a, Duration::from_secs(3)).ok()).is_some();
+        assert!(ok, "{name} is not reachable at {addr}: start the services with `scripts/stack up`");
+    }
+}
+
+/// One test's isolated slice of the services.
+pub struct TestEnv {
+    pub brokers: String,
+    pub redis_url: String,
+    pub clickhouse_url: String,
+    /// CA of a private ClickHouse HTTPS endpoint (`clickhouse.tls_ca_file`).
+    pub clickhouse_ca: Option<PathBuf>,
+    pub topic: String,
+    pub group: String,
+    pub redis_prefix: String,
+    pub database: String,
+    pub batch_offsets: u64,
+    pub log_dir: PathBuf,
+    /// Extra `CLICKAGG__…` variables for every member.
+    pub extra_env: Vec<(String, String)>,
+}
+
+impl TestEnv {
+    pub async fn new(name: &str) -> TestEnv {
+        require_services();
+        Self::on(name, brokers(), redis_url(), clickhouse_url()).await
+    }
+
+    /// A test whose members use a private stack for some services (fault tests).
+    pub async fn with_stack(name: &str, stack: &PrivateStack) -> TestEnv {
+        require_services();
+        Self::on(
+            name,
+            stack.brokers().unwrap_or_else(brokers),
+            stack.redis_url().unwrap_or_else(redis_url),
+            stack.clickhouse_url().unwrap_or_else(clickhouse_url),
+        )
+        .await
+    }
+
+    async fn on(name: &str, brokers: String, redis_url: String, clickhouse_url: String) -> TestEnv {
+        let tag: u32 = rand::rng().random();
+        let tag = format!("{tag:08x}");
+        let log_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("it-logs").join(format!("{name}-{tag}"));
+        std::fs::create_dir_all(&log_dir).unwrap();
+        let env = TestEnv {
+            brokers,
+            redis_url,
+            clickhouse_url,
+            clickhouse_ca: None,
+            topic: format!("it-{name}-{tag}"),
+            group: format!("it-{name}-{tag}"),
+            redis_prefix: format!("it:{name}:{tag}:"),
+            database: format!("it_{name}_{tag}"),
+            batch_offsets: 1_000,
+            log_dir,
+            extra_env: Vec::new(),
+        };
+        env.sink().migrate().await.expect("migrate");
+        env
+    }
+
+    /// Settings as a member would load them (no file, this test's names).
+    pub fn settings(&self) -> Settings {
+        let mut s = Settings::default();
+        s.kafka.brokers = self.brokers.clone();
+        s.kafka.topic = self.topic.clone();
+        s.kafka.group = self.group.clone();
+        s.redis.url = clickagg::config::SecretUrl::new(self.redis_url.clone());
+        s.redis.key_prefix = self.redis_prefix.clone();
+        s.clickhouse.url = self.clickhouse_url.clone();
+        s.clickhouse.tls_ca_file = self.clickhouse_ca.clone();
+        s.clickhouse.database = self.database.clone();
+        s.pipeline.batch_offsets = self.batch_offsets;
+        s
+    }
+
+    pub fn sink(&self) -> Sink {
+        Sink::new(&self.settings().clickhouse)
+    }
+
+    /// The environment of a member process.
+    pub fn member_env(&self) -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = [
+            ("CLICKAGG__KAFKA__BROKERS", self.brokers.clone()),
+            ("CLICKAGG__KAFKA__TOPIC", self.topic.clone()),
+            ("CLICKAGG__KAFKA__GROUP", self.group.clone()),
+            ("CLICKAGG__KAFKA__SESSION_TIMEOUT", "6s".into()),
+            ("CLICKAGG__REDIS__URL", self.redis_url.clone()),
+            ("CLICKAGG__REDIS__KEY_PREFIX", self.redis_prefix.clone()),
+            ("CLICKAGG__CLICKHOUSE__URL", self.clickhouse_url.clone()),
+            ("CLICKAGG__CLICKHOUSE__DATABASE", self.database.clone()),
+            ("CLICKAGG__PIPELINE__BATCH_OFFSETS", self.batch_offsets.to_string()),
+            ("CLICKAGG__PIPELINE__FLUSH_INTERVAL", "200ms".into()),
+            ("CLICKAGG__PIPELINE__DRAIN_TIMEOUT", "5s".into()),
+            ("CLICKAGG__PIPELINE__MAX_BACKOFF", "1s".into()),
+            ("CLICKAGG__HTTP__ADDR", "127.0.0.1:0".into()),
+            ("CLICKAGG__LOG__FORMAT", "json".into()),
+            ("RUST_LOG", "clickagg=debug,librdkafka=warn,info".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        if let Some(ca) = &self.clickhouse_ca {
+            v.push(("CLICKAGG__CLICKHOUSE__TLS_CA_FILE".into(), ca.display().to_string()));
+        }
+        v.extend(self.extra_env.iter().cloned());
+        v
+    }
+
+    /// Starts `clickagg <args>` as a child process with this test's settings.
+    pub fn spawn(&self, label: &str, args: &[&str], extra: &[(&str, &str)]) -> Member {
+        Member::start(label, self.command(args, extra), self.log_dir.join(format!("{label}.log")))
+    }
+
+    /// `clickagg <args>` with this test's settings, not started.
+    pub fn command(&self, args: &[&str], extra: &[(&str, &str)]) -> Command {
+        let mut cmd = Command::new(BIN);
+        cmd.args(args);
+        // The parent's CLICKAGG__ variables must not leak into members.
+        for (k, _) in std::env::vars() {
+            if k.starts_with("CLICKAGG__") {
+                cmd.env_remove(k);
+            }
+        }
+        cmd.envs(self.member_env());
+        cmd.envs(extra.iter().map(|&(k, v)| (k, v)));
+        cmd
+    }
+
+    pub fn spawn_member(&self, label: &str) -> Member {
+        self.spawn(label, &["run"], &[])
+    }
+
+    /// Plans `spec` for this test (event times ending now).
+    pub fn plan(&self, spec: Spec) -> (Vec<Planned>, Truth) {
+        let start_ms = chrono::Utc::now().timestamp_millis() - spec.span.as_millis() as i64;
+        produce::plan(&Spec { start_ms, ..spec })
+    }
+
+    pub async fn send(&self, records: &[Planned], partitions: i32, rate: Option<u64>) {
+        produce::send(&self.settings().kafka, &self.topic, partitions, records, rate, |_| {}).await.expect("produce");
+    }
+
+    /// Produces `records` in the background at `rate` records/s, while the test goes on.
+    pub fn spawn_producer(&self, records: &[Planned], partitions: i32, rate: u64) -> tokio::task::JoinHandle<()> {
+        let settings = self.settings();
+        let topic = self.topic.clone();
+        let records = records.to_vec();
+        tokio::spawn(async move {
+            produce::send(&settings.kafka, &topic, partitions, &records, Some(rate), |_| {}).await.expect("produce")
+        })
+    }
+
+    /// A connection to this test's Redis.
+    pub async fn redis(&self) -> redis::aio::MultiplexedConnection {
+        let client = redis::Client::open(self.redis_url.as_str()).expect("redis URL");
+        client.get_multiplexed_async_connection().await.expect("connect to Redis")
+    }
+
+    /// The names of every Redis key under this test's prefix (its dedup state).
+    pub async fn dedup_keys(&self) -> Vec<String> {
+        let mut conn = self.redis().await;
+        let mut keys: Vec<String> = Vec::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{}*", self.redis_prefix))
+                .arg("COUNT")
+                .arg(1000)
+                .query_async(&mut conn)
+                .await
+                .expect("SCAN");
+            keys.extend(batch);
+            if next == 0 {
+                return keys;
+            }
+            cursor = next;
+        }
+    }
+
+    pub async fn dedup_key_count(&self) -> usize {
+        self.dedup_keys().await.len()
+    }
+
+    /// Deletes this test's dedup state, as the end of the dedup window (or a lost Redis)
+    /// would; returns how many keys there were.
+    pub async fn delete_dedup_keys(&self) -> usize {
+        let keys = self.dedup_keys().await;
+        let mut conn = self.redis().await;
+        for chunk in keys.chunks(500) {
+            let _: () = redis::cmd("UNLINK").arg(chunk).query_async(&mut conn).await.expect("UNLINK");
+        }
+        keys.len()
+    }
+
+    pub async fn billing(&self) -> BTreeMap<BucketKey, u64> {
+        self.sink().billing(Some(&self.topic), None, None).await.expect("billing")
+    }
+
+    /// Waits until the billing counts equal `expected`, then checks they stay equal for
+    /// a while (a late over-count would show up there). Panics with a diff otherwise.
+    pub async fn assert_counts_converge(&self, expected: &BTreeMap<BucketKey, u64>, timeout: Duration) {
+        let what = format!("counts converge (logs: {})", self.log_dir.display());
+        wait_until(&what, timeout, || async {
+            let d = clickagg::verify::diff(expected, &self.billing().await);
+            if d.is_exact() {
+                Ok(())
+            } else {
+                Err(d.report(20))
+            }
+        })
+        .await;
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        let d = clickagg::verify::diff(expected, &self.billing().await);
+        assert!(d.is_exact(), "counts drifted after converging:\n{}", d.report(20));
+    }
+}

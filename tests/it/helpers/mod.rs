@@ -1,0 +1,23 @@
+//! Test helpers, one file per concern:
+//!
+//! - [`env`]: the test's own slice of the shared services (`TestEnv`), producing clicks,
+//!   reading billing counts;
+//! - [`process`]: the `clickagg` child processes (`Member`) and their captured output;
+//! - [`stack`]: private service instances a fault test may stop (`PrivateStack`);
+//! - [`kafka`]: reading topics and group offsets back;
+//! - [`http`]: the member's HTTP endpoints and the metrics text;
+//! - [`wait`]: the one way to wait for a condition (`wait_until`).
+
+pub mod env;
+pub mod http;
+pub mod kafka;
+pub mod process;
+pub mod stack;
+pub mod wait;
+
+pub use env::{redis_url, TestEnv, BIN};
+pub use http::metric_value;
+pub use kafka::{read_dead_letters, source_payload};
+pub use process::Member;
+pub use stack::PrivateStack;
+pub use wait::{equals, wait_until};
