@@ -142,6 +142,10 @@ pub struct ProduceArgs {
     /// Fraction of records that are malformed.
     #[arg(long, default_value_t = 0.01)]
     pub malformed_ratio: f64,
+    /// Fraction of duplicates sent under another key, so they may land on another
+    /// partition (producers that do not key by click ID).
+    #[arg(long, default_value_t = 0.0)]
+    pub cross_partition_ratio: f64,
     /// Partitions to create the topic with, if it does not exist.
     #[arg(long, default_value_t = 4)]
     pub partitions: i32,

@@ -100,7 +100,12 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         Some(t) => chrono::DateTime::parse_from_rfc3339(t).context("--start must be RFC 3339")?.timestamp_millis(),
         None => chrono::Utc::now().timestamp_millis() - a.span.as_millis() as i64,
     };
-    for (name, v) in [("duplicate", a.duplicate_ratio), ("late", a.late_ratio), ("malformed", a.malformed_ratio)] {
+    for (name, v) in [
+        ("duplicate", a.duplicate_ratio),
+        ("late", a.late_ratio),
+        ("malformed", a.malformed_ratio),
+        ("cross-partition", a.cross_partition_ratio),
+    ] {
         if !(0.0..=1.0).contains(&v) {
             bail!("--{name}-ratio must be between 0 and 1");
         }
@@ -113,6 +118,7 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         duplicate_ratio: a.duplicate_ratio,
         late_ratio: a.late_ratio,
         malformed_ratio: a.malformed_ratio,
+        cross_partition_ratio: a.cross_partition_ratio,
         start_ms,
         span: a.span.into(),
     };

@@ -51,6 +51,9 @@ pub struct Spec {
     pub late_ratio: f64,
     /// Fraction of records that are invalid.
     pub malformed_ratio: f64,
+    /// Fraction of duplicates sent under another key than the click ID, so that they
+    /// may land on another partition (a producer that does not key by click ID).
+    pub cross_partition_ratio: f64,
     /// Event time of the first record (ms); send times spread over `span` from there.
     pub start_ms: i64,
     pub span: Duration,
@@ -66,6 +69,7 @@ impl Default for Spec {
             duplicate_ratio: 0.1,
             late_ratio: 0.02,
             malformed_ratio: 0.01,
+            cross_partition_ratio: 0.0,
             start_ms: 0,
             span: Duration::from_secs(600),
         }
@@ -80,6 +84,8 @@ pub struct Planned {
     /// The Kafka record timestamp (the simulated send time).
     pub timestamp_ms: i64,
     pub kind: Kind,
+    /// A fixed partition; `None` lets the producer's partitioner pick one from the key.
+    pub partition: Option<i32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -238,6 +244,7 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
                 payload,
                 timestamp_ms: send_ms,
                 kind: Kind::Malformed(reason),
+                partition: None,
             });
         } else if roll < spec.malformed_ratio + spec.duplicate_ratio && !sent.is_empty() {
             // Mostly a quick retry of a recent click; sometimes a much older one.
@@ -249,7 +256,8 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
             let (id, ad_id, ts) = sent[idx].clone();
             truth.duplicates += 1;
             let payload = click_json(&id, ad_id, ts, &mut rng);
-            records.push(Planned { key: id, payload, timestamp_ms: send_ms, kind: Kind::Duplicate });
+            let key = if rng.random_bool(spec.cross_partition_ratio) { format!("{id}#copy-{i}") } else { id };
+            records.push(Planned { key, payload, timestamp_ms: send_ms, kind: Kind::Duplicate, partition: None });
         } else {
             let id = click_id(&mut rng);
             let ad_id = zipf.sample(&mut rng) as u64;
@@ -266,6 +274,7 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
                 payload,
                 timestamp_ms: send_ms,
                 kind: if late { Kind::LateClick } else { Kind::Click },
+                partition: None,
             });
             sent.push((id, ad_id, ts));
         }
@@ -326,6 +335,9 @@ pub async fn send(
             }
         }
         let mut record = BaseRecord::to(topic).key(r.key.as_bytes()).timestamp(r.timestamp_ms);
+        if let Some(p) = r.partition {
+            record = record.partition(p);
+        }
         if !r.payload.is_empty() {
             record = record.payload(r.payload.as_slice());
         }

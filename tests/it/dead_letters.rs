@@ -25,6 +25,7 @@ async fn rejects(name: &str, reason: RejectReason, bad: impl Fn(i64) -> Vec<u8>)
                 payload,
                 timestamp_ms: ts,
                 kind: clickagg::produce::Kind::Malformed(reason),
+                partition: None,
             },
         );
     }

@@ -4,6 +4,7 @@
 
 mod backfill;
 mod dead_letters;
+mod decisions;
 mod deploy;
 mod exactly_once;
 mod faults;
