@@ -14,6 +14,7 @@
 use std::collections::{BTreeMap, HashMap};
 
 use crate::click::Minute;
+use crate::dedup::Pin;
 
 /// One billing bucket: an ad in an event-time minute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -34,9 +35,19 @@ pub struct BatchRow {
     pub version: i64,
 }
 
+/// A cross-partition decision to record with the rows it shaped (`clickagg_pins`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PinRow {
+    pub partition: i32,
+    pub offset: i64,
+    pub pin: Pin,
+}
+
 /// What one flush writes, and what it allows to commit once it is durable.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct Flush {
+    /// Written before the rows: a re-read must find the decision the rows rest on.
+    pub pins: Vec<PinRow>,
     pub rows: Vec<BatchRow>,
     /// Per partition, the offset to commit (librdkafka convention: the next offset to
     /// read). Always a batch boundary, and never past a click outside this flush or an
@@ -46,12 +57,13 @@ pub struct Flush {
 
 impl Flush {
     pub fn is_empty(&self) -> bool {
-        self.rows.is_empty() && self.commits.is_empty()
+        self.rows.is_empty() && self.pins.is_empty() && self.commits.is_empty()
     }
 
     /// Combines two cuts into one flush: once all rows are durable, every commit holds
     /// (the later cut's commits win for the partitions they name).
     pub fn merge(&mut self, later: Flush) {
+        self.pins.extend(later.pins);
         self.rows.extend(later.rows);
         self.commits.extend(later.commits);
     }
@@ -94,27 +106,40 @@ struct Batch {
     last_offset: i64,
     /// Cumulative clicks per bucket in this batch, and whether the bucket changed since
     /// the last flush (only changed buckets are written: fewer rows per click).
-    buckets: HashMap<BucketKey, (u64, bool)>,
+    buckets: HashMap<BucketKey, Bucket>,
+    /// Pins of this batch not flushed yet.
+    pins: Vec<(i64, Pin)>,
 }
 
 impl Batch {
     fn new(start: i64, offset: i64) -> Batch {
-        Batch { start, last_offset: offset, buckets: HashMap::new() }
+        Batch { start, last_offset: offset, buckets: HashMap::new(), pins: Vec::new() }
     }
 
-    fn cut_rows(&mut self, partition: i32, rows: &mut Vec<BatchRow>) {
-        for (key, (clicks, dirty)) in self.buckets.iter_mut() {
-            if std::mem::take(dirty) {
-                rows.push(BatchRow {
+    fn cut_rows(&mut self, partition: i32, flush: &mut Flush) {
+        flush.pins.extend(self.pins.drain(..).map(|(offset, pin)| PinRow { partition, offset, pin }));
+        for (key, b) in self.buckets.iter_mut() {
+            if std::mem::take(&mut b.dirty) || b.contested {
+                flush.rows.push(BatchRow {
                     key: *key,
                     partition,
                     batch_start: self.start,
-                    clicks: *clicks,
+                    clicks: b.clicks,
                     version: self.last_offset,
                 });
             }
         }
     }
+}
+
+#[derive(Debug, Default)]
+struct Bucket {
+    clicks: u64,
+    dirty: bool,
+    /// A cross-partition duplicate fell in this bucket: a replay that read it before any
+    /// member did may have counted it, so every flush of this batch writes the bucket at
+    /// its latest version (and the member's row outranks the replay's, see `sink`).
+    contested: bool,
 }
 
 #[derive(Debug, Default)]
@@ -149,9 +174,16 @@ impl Aggregator {
     }
 
     /// Records that `offset` of `partition` was read; `counted` is the bucket it adds a
-    /// click to, or `None` for a duplicate or a rejected record. Offsets of a partition
-    /// must arrive in increasing order (gaps are fine: compaction, transaction markers).
-    pub fn observe(&mut self, partition: i32, offset: i64, counted: Option<BucketKey>) {
+    /// click to, or `None` for a duplicate or a rejected record, and `pin` a
+    /// cross-partition decision to record with the batch, with the click's bucket.
+    /// Offsets of a partition must arrive in increasing order (gaps are fine:
+    /// transaction markers).
+    ///
+    /// A cross-partition duplicate marks its bucket changed although it adds nothing, and
+    /// contested for the rest of its batch: a replay that ran before the live decision
+    /// may have counted it there, and only rows of the live member's at a version at
+    /// least as high (they outrank the replay's, see `sink`) take that count back.
+    pub fn observe(&mut self, partition: i32, offset: i64, counted: Option<BucketKey>, pin: Option<(Pin, BucketKey)>) {
         let n = self.n;
         let state = self.partitions.entry(partition).or_default();
         let start = n.start_of(offset);
@@ -165,13 +197,18 @@ impl Aggregator {
         }
         let batch = state.open.get_or_insert_with(|| Batch::new(start, offset));
         batch.last_offset = offset;
-        if let Some(key) = counted {
-            let entry = batch.buckets.entry(key).or_insert_with(|| {
+        let touched = counted.or(pin.map(|(_, key)| key));
+        if let Some(key) = touched {
+            let bucket = batch.buckets.entry(key).or_insert_with(|| {
                 self.buckets_held += 1;
-                (0, false)
+                Bucket::default()
             });
-            entry.0 += 1;
-            entry.1 = true;
+            bucket.clicks += u64::from(counted.is_some());
+            bucket.dirty = true;
+            bucket.contested |= matches!(pin, Some((Pin::CrossDuplicate, _)));
+        }
+        if let Some((pin, _)) = pin {
+            batch.pins.push((offset, pin));
         }
         if offset == start + n.get() as i64 - 1 {
             // The batch's last offset: it is complete without waiting for the next record.
@@ -207,11 +244,11 @@ impl Aggregator {
         for &p in partitions {
             let Some(state) = self.partitions.get_mut(&p) else { continue };
             for mut batch in state.complete.drain(..) {
-                batch.cut_rows(p, &mut flush.rows);
+                batch.cut_rows(p, &mut flush);
                 self.buckets_held -= batch.buckets.len();
             }
             if let Some(open) = &mut state.open {
-                open.cut_rows(p, &mut flush.rows);
+                open.cut_rows(p, &mut flush);
             }
             let commit = match &state.open {
                 Some(open) => open.start,
@@ -305,15 +342,15 @@ mod tests {
     #[test]
     fn rows_carry_cumulative_counts_and_the_last_offset_read() {
         let mut agg = Aggregator::new(n(10));
-        agg.observe(0, 0, Some(key(1, 0)));
-        agg.observe(0, 1, None);
-        agg.observe(0, 2, Some(key(1, 0)));
+        agg.observe(0, 0, Some(key(1, 0)), None);
+        agg.observe(0, 1, None, None);
+        agg.observe(0, 2, Some(key(1, 0)), None);
         let f = agg.take_flush();
         assert_eq!(f.rows, vec![BatchRow { key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 }]);
         // The batch is still open: committing past its start would lose its clicks on a crash.
         assert_eq!(f.commits, BTreeMap::from([(0, 0)]));
 
-        agg.observe(0, 3, Some(key(1, 0)));
+        agg.observe(0, 3, Some(key(1, 0)), None);
         let f = agg.take_flush();
         assert_eq!(f.rows[0].clicks, 3);
         assert_eq!(f.rows[0].version, 3);
@@ -322,10 +359,10 @@ mod tests {
     #[test]
     fn only_buckets_changed_since_the_last_flush_are_written() {
         let mut agg = Aggregator::new(n(100));
-        agg.observe(0, 0, Some(key(1, 0)));
-        agg.observe(0, 1, Some(key(2, 0)));
+        agg.observe(0, 0, Some(key(1, 0)), None);
+        agg.observe(0, 1, Some(key(2, 0)), None);
         agg.take_flush();
-        agg.observe(0, 2, Some(key(2, 0)));
+        agg.observe(0, 2, Some(key(2, 0)), None);
         let f = agg.take_flush();
         assert_eq!(f.rows.len(), 1);
         assert_eq!(f.rows[0].key, key(2, 0));
@@ -335,13 +372,13 @@ mod tests {
     #[test]
     fn a_batch_completes_at_its_last_offset_or_when_a_later_offset_arrives() {
         let mut agg = Aggregator::new(n(10));
-        agg.observe(0, 9, Some(key(1, 0)));
+        agg.observe(0, 9, Some(key(1, 0)), None);
         assert!(agg.has_complete_batches());
         let f = agg.take_flush();
         assert_eq!(f.commits, BTreeMap::from([(0, 10)]));
 
-        agg.observe(1, 5, Some(key(1, 0)));
-        agg.observe(1, 23, None); // offsets 6..23 compacted away
+        agg.observe(1, 5, Some(key(1, 0)), None);
+        agg.observe(1, 23, None, None); // offsets 6..23 compacted away
         let f = agg.take_flush();
         assert_eq!(f.rows.len(), 1);
         assert_eq!(f.commits, BTreeMap::from([(0, 10), (1, 20)]));
@@ -351,8 +388,8 @@ mod tests {
     #[test]
     fn revoked_partitions_are_cut_and_forgotten() {
         let mut agg = Aggregator::new(n(10));
-        agg.observe(0, 0, Some(key(1, 0)));
-        agg.observe(1, 0, Some(key(1, 0)));
+        agg.observe(0, 0, Some(key(1, 0)), None);
+        agg.observe(1, 0, Some(key(1, 0)), None);
         let f = agg.take_partitions(&[1]);
         assert_eq!(f.rows.len(), 1);
         assert_eq!(f.commits, BTreeMap::from([(1, 0)]));
@@ -363,11 +400,23 @@ mod tests {
     }
 
     #[test]
+    fn pins_are_flushed_once_with_their_batch_and_a_cross_partition_duplicate_writes_its_bucket() {
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 0, Some(key(1, 0)), None);
+        agg.observe(0, 1, None, Some((Pin::CrossDuplicate, key(2, 0))));
+        let f = agg.take_flush();
+        assert_eq!(f.pins.len(), 1);
+        let row = |k| f.rows.iter().find(|r| r.key == k).map(|r| r.clicks);
+        assert_eq!((row(key(1, 0)), row(key(2, 0))), (Some(1), Some(0)));
+        assert!(agg.take_flush().pins.is_empty(), "a pin is written once");
+    }
+
+    #[test]
     fn a_replayed_flush_with_a_lower_version_never_wins() {
         let mut table = Table::default();
         let mut live = Aggregator::new(n(10));
         for o in 0..10 {
-            live.observe(0, o, Some(key(1, 0)));
+            live.observe(0, o, Some(key(1, 0)), None);
         }
         let complete = live.take_flush();
         table.apply(&complete);
@@ -375,7 +424,7 @@ mod tests {
         // A zombie that read only the first 4 offsets of the batch flushes late.
         let mut zombie = Aggregator::new(n(10));
         for o in 0..4 {
-            zombie.observe(0, o, Some(key(1, 0)));
+            zombie.observe(0, o, Some(key(1, 0)), None);
         }
         table.apply(&zombie.take_flush());
         assert_eq!(table.billing()[&key(1, 0)], 10);
@@ -408,7 +457,7 @@ mod tests {
                     if let Some(entry) = log.get(i) {
                         let counted = entry.map(|(ad, m)| key(ad, m));
                         if let Some(k) = counted { *expected.entry(k).or_default() += 1; }
-                        agg.observe(p as i32, i as i64, counted);
+                        agg.observe(p as i32, i as i64, counted, None);
                     }
                 }
                 if flush_points.contains(&i) {
@@ -435,7 +484,7 @@ mod tests {
             for (crash_at, flush_before_crash) in crash_points {
                 let mut agg = Aggregator::new(n(batch));
                 for (o, entry) in log.iter().enumerate().skip(committed as usize).take(crash_at) {
-                    agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)));
+                    agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)), None);
                 }
                 if flush_before_crash && agg.partitions().next().is_some() {
                     let f = agg.take_flush();
@@ -446,7 +495,7 @@ mod tests {
             }
             let mut agg = Aggregator::new(n(batch));
             for (o, entry) in log.iter().enumerate().skip(committed as usize) {
-                agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)));
+                agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)), None);
             }
             table.apply(&agg.take_flush());
             prop_assert_eq!(table.billing(), expected);
@@ -465,7 +514,7 @@ mod tests {
             let mut agg = Aggregator::new(n);
             for (o, entry) in log.iter().enumerate() {
                 let o = o as i64;
-                agg.observe(0, o, entry.map(|(a, m)| key(a, m)));
+                agg.observe(0, o, entry.map(|(a, m)| key(a, m)), None);
                 if (o as usize).is_multiple_of(flush_every) {
                     let f = agg.take_flush();
                     let commit = f.commits[&0];

@@ -59,9 +59,9 @@ pub struct CommonFlags {
     /// Redis URL, redis:// or rediss:// [env: CLICKAGG__REDIS__URL]
     #[arg(long, global = true)]
     pub redis_url: Option<String>,
-    /// Dedup window, e.g. 24h [env: CLICKAGG__REDIS__DEDUP_TTL]
-    #[arg(long, global = true)]
-    pub dedup_ttl: Option<String>,
+    /// Dedup window in record time, e.g. 24h [env: CLICKAGG__DEDUP__WINDOW]
+    #[arg(long, global = true, alias = "dedup-ttl")]
+    pub dedup_window: Option<String>,
     /// ClickHouse HTTP(S) URL [env: CLICKAGG__CLICKHOUSE__URL]
     #[arg(long, global = true)]
     pub clickhouse_url: Option<String>,
@@ -105,7 +105,7 @@ impl CommonFlags {
         put("kafka.group", self.group.clone().map(Into::into));
         put("kafka.group_instance_id", self.group_instance_id.clone().map(Into::into));
         put("redis.url", self.redis_url.clone().map(Into::into));
-        put("redis.dedup_ttl", self.dedup_ttl.clone().map(Into::into));
+        put("dedup.window", self.dedup_window.clone().map(Into::into));
         put("clickhouse.url", self.clickhouse_url.clone().map(Into::into));
         put("clickhouse.user", self.clickhouse_user.clone().map(Into::into));
         put("clickhouse.password", self.clickhouse_password.clone().map(Into::into));

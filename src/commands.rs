@@ -10,7 +10,6 @@ use tracing::{error, info};
 
 use crate::cli::{Command, ProduceArgs, VerifyArgs};
 use crate::config::Settings;
-use crate::dedup::Dedup;
 use crate::health::{self, Health};
 use crate::member::Member;
 use crate::pipeline::Exit;
@@ -74,7 +73,7 @@ async fn run(s: Settings) -> Result<ExitCode> {
             .await
             .with_context(|| format!("binding http.addr {}", s.http.addr))?;
         info!(%addr, "serving /metrics, /livez and /readyz");
-        let probe_redis = Dedup::new(s.redis_client()?, s.redis.key_prefix.clone(), s.redis.dedup_ttl, s.redis.timeout);
+        let probe_redis = s.shared_cache()?;
         tokio::spawn(health::probe(
             health.clone(),
             probe_redis,

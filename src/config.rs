@@ -134,6 +134,7 @@ impl<'de> Deserialize<'de> for SecretUrl {
 pub struct Settings {
     pub kafka: KafkaSettings,
     pub redis: RedisSettings,
+    pub dedup: DedupSettings,
     pub clickhouse: ClickHouseSettings,
     pub pipeline: PipelineSettings,
     pub validation: ValidationSettings,
@@ -207,9 +208,10 @@ pub struct RedisSettings {
     pub tls_ca_file: Option<PathBuf>,
     /// Prefix of every dedup key; lets several deployments share one Redis.
     pub key_prefix: String,
-    /// The dedup window: how long a click ID is remembered after it is first claimed.
-    #[serde(with = "humantime_serde")]
-    pub dedup_ttl: Duration,
+    /// Deprecated name of `dedup.window`, still read so existing configurations keep
+    /// their window; `dedup.window` wins when both are set.
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub dedup_ttl: Option<Duration>,
     #[serde(with = "humantime_serde")]
     pub timeout: Duration,
 }
@@ -222,8 +224,42 @@ impl Default for RedisSettings {
             password: None,
             tls_ca_file: None,
             key_prefix: "clickagg:dedup:".into(),
-            dedup_ttl: Duration::from_secs(24 * 3600),
+            dedup_ttl: None,
             timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// What counts as a duplicate, and how the Redis cache of that decision is kept
+/// (README, "What counts").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DedupSettings {
+    /// The dedup window `W`, in record time: a click counts unless a record with the same
+    /// click ID lies less than `W` before it in its partition. Whole seconds.
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub window: Option<Duration>,
+    /// How far a partition may lag behind the wall clock, in record time, while its
+    /// member still trusts the Redis cache. Redis keeps each entry for `window +
+    /// max_record_lag`; a partition lagging more is decided from a rebuild of the log.
+    #[serde(with = "humantime_serde")]
+    pub max_record_lag: Duration,
+    /// Hashes the cache is spread over (a power of two, 4096 to 2^24). Size it so each
+    /// holds 64 to 200 entries: clicks per (`window` + `max_record_lag`) / 100. Fixed per
+    /// key prefix.
+    pub shards: u32,
+    /// Key of the click-ID fingerprint (SipHash): set a secret of your own so nobody can
+    /// make two click IDs collide on purpose. Fixed per key prefix.
+    pub fingerprint_key: Secret,
+}
+
+impl Default for DedupSettings {
+    fn default() -> Self {
+        DedupSettings {
+            window: None,
+            max_record_lag: Duration::from_secs(6 * 3600),
+            shards: 1 << 16,
+            fingerprint_key: Secret::new("clickagg-default-fingerprint-key"),
         }
     }
 }
@@ -464,16 +500,38 @@ impl Settings {
                 humantime::format_duration(self.kafka.max_poll_interval)
             ));
         }
-        if self.validation.max_lateness > self.redis.dedup_ttl {
+        let window = self.dedup_window();
+        if self.validation.max_lateness > window {
             problems.push(format!(
-                "validation.max_lateness ({}) exceeds redis.dedup_ttl ({}): a late duplicate could arrive \
-                 after its dedup key expired and be counted twice; raise redis.dedup_ttl or lower validation.max_lateness",
+                "validation.max_lateness ({}) exceeds dedup.window ({}): a late retry could arrive more than \
+                 a window after its original and be counted twice; raise dedup.window or lower validation.max_lateness",
                 humantime::format_duration(self.validation.max_lateness),
-                humantime::format_duration(self.redis.dedup_ttl)
+                humantime::format_duration(window)
             ));
         }
-        if self.redis.dedup_ttl < Duration::from_secs(1) {
-            problems.push("redis.dedup_ttl must be at least 1s".to_string());
+        if window < Duration::from_secs(1) || window.subsec_nanos() != 0 {
+            problems.push("dedup.window must be a whole number of seconds, at least 1s".to_string());
+        }
+        if self.dedup.max_record_lag < Duration::from_secs(60) {
+            problems.push("dedup.max_record_lag must be at least 1m".to_string());
+        }
+        if self.redis.key_prefix.contains(['{', '}']) {
+            problems.push("redis.key_prefix must not contain braces: the dedup keys use them as hash tags".to_string());
+        }
+        if !self.dedup.shards.is_power_of_two() || !(1 << 12..=1 << 24).contains(&self.dedup.shards) {
+            problems.push(format!(
+                "dedup.shards ({}) must be a power of two from 4096 to 16777216 (the shard is part of the \
+                 click fingerprint: fewer shards would leave it under 100 bits)",
+                self.dedup.shards
+            ));
+        }
+        for key in crate::source::EXACTLY_ONCE_PROPERTIES {
+            if self.kafka.properties.contains_key(*key) {
+                problems.push(format!(
+                    "kafka.properties.\"{key}\" must not be set: clickagg sets it itself and exactly-once \
+                     depends on its value (remove the override)"
+                ));
+            }
         }
         if self.kafka.topic.is_empty() || self.kafka.group.is_empty() || self.kafka.brokers.is_empty() {
             problems.push("kafka.brokers, kafka.topic and kafka.group must not be empty".to_string());
@@ -529,6 +587,11 @@ impl Settings {
         }
     }
 
+    /// The dedup window `W` (`dedup.window`, or the deprecated `redis.dedup_ttl`).
+    pub fn dedup_window(&self) -> Duration {
+        self.dedup.window.or(self.redis.dedup_ttl).unwrap_or(Duration::from_secs(24 * 3600))
+    }
+
     pub fn batch_offsets(&self) -> BatchOffsets {
         BatchOffsets::new(self.pipeline.batch_offsets).expect("validated")
     }
@@ -540,6 +603,23 @@ impl Settings {
     /// The effective configuration as TOML, secrets redacted (`clickagg config`).
     pub fn to_redacted_toml(&self) -> String {
         toml::to_string_pretty(self).expect("settings always serialize")
+    }
+
+    /// The shared dedup cache of `kafka.topic`.
+    pub fn shared_cache(&self) -> Result<crate::dedup::SharedCache, ConfigError> {
+        Ok(crate::dedup::SharedCache::new(
+            self.redis_client()?,
+            &self.redis.key_prefix,
+            &self.kafka.topic,
+            self.dedup.shards,
+            1,
+            self.dedup_window(),
+            self.redis.timeout,
+        ))
+    }
+
+    pub fn fingerprinter(&self) -> crate::dedup::Fingerprinter {
+        crate::dedup::Fingerprinter::new(self.dedup.fingerprint_key.expose())
     }
 
     /// The Redis client, with credentials from the URL or from `username`/`password`.
@@ -648,11 +728,22 @@ mod tests {
     #[test]
     fn durations_parse_from_humane_strings() {
         Jail::expect_with(|jail| {
-            jail.set_env("CLICKAGG__REDIS__DEDUP_TTL", "36h");
+            jail.set_env("CLICKAGG__DEDUP__WINDOW", "36h");
             jail.set_env("CLICKAGG__PIPELINE__FLUSH_INTERVAL", "250ms");
             let s = Settings::load(None, vec![]).unwrap();
-            assert_eq!(s.redis.dedup_ttl, Duration::from_secs(36 * 3600));
+            assert_eq!(s.dedup_window(), Duration::from_secs(36 * 3600));
             assert_eq!(s.pipeline.flush_interval, Duration::from_millis(250));
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn the_deprecated_dedup_ttl_still_sets_the_window_unless_the_window_is_set() {
+        Jail::expect_with(|jail| {
+            jail.set_env("CLICKAGG__REDIS__DEDUP_TTL", "12h");
+            assert_eq!(Settings::load(None, vec![]).unwrap().dedup_window(), Duration::from_secs(12 * 3600));
+            jail.set_env("CLICKAGG__DEDUP__WINDOW", "30h");
+            assert_eq!(Settings::load(None, vec![]).unwrap().dedup_window(), Duration::from_secs(30 * 3600));
             Ok(())
         });
     }
@@ -667,7 +758,12 @@ mod tests {
         let mut s = Settings::default();
         s.validation.max_lateness = Duration::from_secs(48 * 3600);
         let e = s.validate().unwrap_err().to_string();
-        assert!(e.contains("raise redis.dedup_ttl"), "{e}");
+        assert!(e.contains("raise dedup.window"), "{e}");
+
+        let mut s = Settings::default();
+        s.kafka.properties.insert("isolation.level".into(), Secret::new("read_uncommitted"));
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("kafka.properties.\"isolation.level\" must not be set"), "{e}");
 
         let mut s = Settings::default();
         s.pipeline.batch_offsets = 0;

@@ -76,7 +76,7 @@ impl DeadLetters {
     /// acknowledgements. Returns how many were produced; an error means some were not,
     /// and the caller retries the whole set (a retry may duplicate a dead letter, which
     /// its source-position headers identify).
-    pub async fn send(&self, records: &[Record]) -> Result<usize, KafkaError> {
+    pub async fn send(&self, records: &[&Record]) -> Result<usize, KafkaError> {
         let mut deliveries = Vec::new();
         for r in records {
             let Err(rejected) = &r.outcome else { continue };

@@ -16,7 +16,7 @@ use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::dedup::Dedup;
+use crate::dedup::SharedCache;
 use crate::sink::Sink;
 
 /// What `/readyz` reports; shared by the pipeline, the probe and the HTTP server.
@@ -107,7 +107,7 @@ async fn metrics_text(State(s): State<AppState>) -> String {
 /// Re-checks Redis and ClickHouse every `every` until `shutdown`.
 pub async fn probe(
     health: Arc<Health>,
-    mut redis: Dedup,
+    mut redis: SharedCache,
     clickhouse: Sink,
     every: Duration,
     shutdown: CancellationToken,

@@ -10,7 +10,9 @@
 //! - [`click`]: the click event, its newtypes, and the decode/validate rules.
 //! - [`source`]: Kafka client settings, consumed records, topic and offset look-ups.
 //! - [`dead_letter`]: rejected records to the dead-letter topic, with reason headers.
-//! - [`dedup`]: the Redis owner-token claim (`SET … NX GET`), pipelined per poll batch.
+//! - [`dedup`]: which clicks count (the definition), the Redis cache of that state and
+//!   the private state a reader rebuilds from the log.
+//! - [`position`]: where a reader starts a partition: a batch boundary, after a warm-up.
 //! - [`aggregate`]: pure per-partition, offset-aligned batches of counts → flushes.
 //! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
 //! - [`pipeline`]: the stages' state and what they do to a poll batch.
@@ -34,6 +36,7 @@ pub mod dedup;
 pub mod health;
 pub mod member;
 pub mod pipeline;
+pub mod position;
 pub mod produce;
 pub mod query;
 pub mod reconcile;

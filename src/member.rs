@@ -5,17 +5,22 @@
 //! loop's poll of the consumer, on the same task, so they reach the same `Stages`
 //! through a mutex that is never contended: on revoke they flush the partitions and
 //! commit before librdkafka lets the partitions go (DESIGN.md §3: flush, then commit,
-//! then release).
+//! then release); on assign they plan where each partition starts (the batch boundary
+//! at or below its committed offset, after a warm-up if the dedup cache needs one,
+//! `position`) and hand librdkafka those offsets, whatever an operator reset the
+//! group to.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::{FutureExt, StreamExt};
 use rdkafka::client::ClientContext;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::statistics::Statistics;
-use rdkafka::TopicPartitionList;
+use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
+use rdkafka::{Offset, TopicPartitionList};
 use tokio::runtime::Handle;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -23,9 +28,10 @@ use tracing::{error, info, warn};
 
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::Dedup;
+use crate::dedup::Pin;
 use crate::health::Health;
 use crate::pipeline::{sleep_or_shutdown, Backoff, Exit, Interrupted, PipelineError, Stages, StagesConfig};
+use crate::position::Start;
 use crate::sink::Sink;
 use crate::source::{self, Record};
 use crate::telemetry::{self as t, RateLimiter};
@@ -39,6 +45,9 @@ pub struct GroupContext {
     /// Set when librdkafka reports an error retrying cannot fix (bad credentials): the
     /// loop stops with this message instead of retrying forever.
     fatal: FatalSignal,
+    /// Ends the retries of an assignment whose start cannot be planned yet.
+    shutdown: CancellationToken,
+    max_backoff: Duration,
 }
 
 /// A fatal condition reported from a librdkafka callback thread to the loop.
@@ -60,22 +69,6 @@ impl FatalSignal {
     }
 }
 
-/// Kafka errors that no retry can fix.
-fn is_fatal_kafka(code: Option<rdkafka::types::RDKafkaErrorCode>) -> bool {
-    use rdkafka::types::RDKafkaErrorCode as C;
-    matches!(
-        code,
-        Some(
-            C::Authentication
-                | C::SaslAuthenticationFailed
-                | C::TopicAuthorizationFailed
-                | C::GroupAuthorizationFailed
-                | C::ClusterAuthorizationFailed
-                | C::SSL
-        )
-    )
-}
-
 impl GroupContext {
     fn with_stages<R>(&self, f: impl AsyncFnOnce(&mut Stages) -> R) -> R {
         // Callbacks run inside the loop's poll of the consumer, when the loop holds no
@@ -90,6 +83,69 @@ impl GroupContext {
 
     fn partitions_of(&self, tpl: &TopicPartitionList) -> Vec<i32> {
         tpl.elements().iter().filter(|e| e.topic() == self.topic).map(|e| e.partition()).collect()
+    }
+
+    /// Plans each partition's start, retrying while Redis, ClickHouse or the broker is
+    /// unavailable (the member cannot count safely without a plan). `None` when the
+    /// member is shutting down or hit a fatal error: then nothing of these partitions
+    /// is processed.
+    fn plan(&self, consumer: &BaseConsumer<Self>, partitions: &[i32]) -> Option<Vec<(Start, BTreeMap<i64, Pin>)>> {
+        let mut backoff = Backoff::new(self.max_backoff);
+        loop {
+            let planned = self.with_stages(async |s| s.plan_shared_starts(consumer, partitions).await);
+            match planned {
+                Ok(starts) => return Some(starts),
+                Err(e) if e.is_fatal() => {
+                    self.fatal.raise(format!("planning the start of partitions {partitions:?}: {e}"));
+                    return None;
+                }
+                Err(e) => {
+                    warn!(error = %e, ?partitions, "cannot plan where the assigned partitions start yet; retrying");
+                    let delay = backoff.next_delay();
+                    let stopped = tokio::task::block_in_place(|| {
+                        self.runtime.block_on(sleep_or_shutdown(delay, &self.shutdown)).is_err()
+                    });
+                    if stopped {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+
+    fn assign(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
+        let partitions = self.partitions_of(tpl);
+        metrics::counter!(t::REBALANCES, "kind" => "assign").increment(1);
+        let starts = self.plan(consumer, &partitions).unwrap_or_default();
+        for (start, _) in &starts {
+            if let Err(e) = tpl.set_partition_offset(&self.topic, start.partition, Offset::Offset(start.read_from)) {
+                warn!(error = %e, partition = start.partition, "could not set the start offset");
+            }
+        }
+        let assigned = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_assign(tpl),
+            _ => consumer.assign(tpl),
+        };
+        if let Err(e) = assigned {
+            warn!(error = %e, "assigning partitions failed");
+        }
+        info!(?partitions, "partitions assigned");
+        self.with_stages(async |s| s.assign(starts));
+    }
+
+    fn revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
+        let partitions = self.partitions_of(tpl);
+        let lost = consumer.assignment_lost();
+        metrics::counter!(t::REBALANCES, "kind" => "revoke").increment(1);
+        info!(?partitions, lost, "partitions revoked");
+        self.with_stages(async |s| s.revoke(consumer, &partitions, lost).await);
+        let released = match consumer.rebalance_protocol() {
+            RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
+            _ => consumer.unassign(),
+        };
+        if let Err(e) = released {
+            warn!(error = %e, "releasing partitions failed");
+        }
     }
 }
 
@@ -106,7 +162,7 @@ impl ClientContext for GroupContext {
 
     fn error(&self, error: KafkaError, reason: &str) {
         metrics::counter!(t::KAFKA_ERRORS, "op" => "client").increment(1);
-        if is_fatal_kafka(error.rdkafka_error_code()) {
+        if source::is_fatal_kafka(error.rdkafka_error_code()) {
             self.fatal.raise(format!(
                 "Kafka refused this member: {error} ({reason}); check kafka.security_protocol, kafka.sasl_* and kafka.ssl_* settings"
             ));
@@ -116,26 +172,16 @@ impl ClientContext for GroupContext {
 }
 
 impl ConsumerContext for GroupContext {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        match rebalance {
-            Rebalance::Revoke(tpl) => {
-                let partitions = self.partitions_of(tpl);
-                let lost = consumer.assignment_lost();
-                metrics::counter!(t::REBALANCES, "kind" => "revoke").increment(1);
-                info!(?partitions, lost, "partitions revoked");
-                self.with_stages(async |s| s.revoke(consumer, &partitions, lost).await);
+    /// Replaces librdkafka's default rebalance handling so that an assignment starts at
+    /// planned offsets (`assign`), and a revocation flushes and commits first (`revoke`).
+    fn rebalance(&self, consumer: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => self.assign(consumer, tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => self.revoke(consumer, tpl),
+            other => {
+                let code: RDKafkaErrorCode = other.into();
+                warn!(error = %code, "rebalance error");
             }
-            Rebalance::Assign(_) => {}
-            Rebalance::Error(e) => warn!(error = %e, "rebalance error"),
-        }
-    }
-
-    fn post_rebalance(&self, _consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(tpl) = rebalance {
-            let partitions = self.partitions_of(tpl);
-            metrics::counter!(t::REBALANCES, "kind" => "assign").increment(1);
-            info!(?partitions, "partitions assigned");
-            self.with_stages(async |s| s.assign(&partitions));
         }
     }
 
@@ -163,8 +209,16 @@ impl Member {
         sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
         check_topic_not_recreated(s, &sink).await?;
         self.health.set_clickhouse(true);
+        refuse_compacted_topic(s).await?;
 
-        let dedup = Dedup::new(s.redis_client()?, s.redis.key_prefix.clone(), s.redis.dedup_ttl, s.redis.timeout);
+        let mut cache = s.shared_cache()?;
+        cache.check_eviction_policy().await?;
+        tokio::spawn(crate::dedup::shared::sweep_forever(
+            s.shared_cache()?,
+            s.dedup_window(),
+            s.dedup.max_record_lag,
+            shutdown.clone(),
+        ));
         let dead_letters = if s.dead_letter.enabled {
             let topic = s.dead_letter_topic();
             source::ensure_topic(&s.kafka, &topic, 1).await?;
@@ -174,7 +228,8 @@ impl Member {
         };
         let stages = Arc::new(Mutex::new(Stages::new(
             StagesConfig::from_settings(s),
-            dedup,
+            cache,
+            s.fingerprinter(),
             dead_letters,
             sink,
             self.health.clone(),
@@ -185,6 +240,8 @@ impl Member {
             topic: s.kafka.topic.clone(),
             runtime: Handle::current(),
             fatal: fatal.clone(),
+            shutdown: shutdown.clone(),
+            max_backoff: s.pipeline.max_backoff,
         };
         let consumer: StreamConsumer<GroupContext> =
             source::group_consumer_config(&s.kafka).create_with_context(context)?;
@@ -268,7 +325,7 @@ async fn consume(
                         }
                         Some(Err(e)) => {
                             metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
-                            if is_fatal_kafka(e.rdkafka_error_code()) {
+                            if source::is_fatal_kafka(e.rdkafka_error_code()) {
                                 fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
                             }
                             if kafka_log.allow("consume", Instant::now()).is_some() {
@@ -353,6 +410,20 @@ async fn wait_for_clickhouse(
                 }
             }
         }
+    }
+}
+
+/// Refuses a compacted click topic: compaction deletes earlier records with the same
+/// key, so a re-read would no longer see the originals its duplicates were judged by.
+async fn refuse_compacted_topic(s: &Settings) -> Result<(), PipelineError> {
+    match source::cleanup_policy(&s.kafka, &s.kafka.topic).await {
+        Ok(Some(policy)) if policy.contains("compact") => Err(PipelineError::Fatal(format!(
+            "kafka topic {} has cleanup.policy={policy}: compaction deletes the originals that decide which \
+             retries are duplicates, so a re-read would count differently; set cleanup.policy=delete on the topic",
+            s.kafka.topic
+        ))),
+        // A topic that does not exist yet is created with the broker's default policy.
+        Ok(_) | Err(_) => Ok(()),
     }
 }
 

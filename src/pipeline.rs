@@ -27,10 +27,14 @@ use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::click::Limits;
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::{Claim, Dedup, DedupError, Verdict};
+use crate::dedup::{
+    Claim, ClaimMode, DedupError, Fingerprint, Fingerprinter, PartitionClock, Pin, PrivateScope, Secs, SharedCache,
+    Sighting, Verdict,
+};
 use crate::health::Health;
-use crate::sink::{Sink, SinkError};
-use crate::source::Record;
+use crate::position::{self, Scope, Start};
+use crate::sink::{Sink, SinkError, Writer};
+use crate::source::{self, Record};
 use crate::telemetry::{self as t, RateLimiter};
 
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +49,18 @@ pub enum PipelineError {
     Sink(#[from] SinkError),
     #[error("{0}")]
     Fatal(String),
+}
+
+impl PipelineError {
+    /// Whether retrying cannot help (the member stops with the message).
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            PipelineError::Dedup(e) => e.is_fatal(),
+            PipelineError::Sink(e) => e.is_fatal(),
+            PipelineError::Kafka(e) => source::is_fatal_kafka(e.rdkafka_error_code()),
+            PipelineError::Config(_) | PipelineError::Fatal(_) => true,
+        }
+    }
 }
 
 /// How a member ended.
@@ -84,12 +100,17 @@ impl Backoff {
 /// What a poll batch did, for metrics and for `replay`'s summary.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct BatchStats {
+    /// Records read from the first counted offset on.
     pub records: u64,
     pub counted: u64,
     pub redelivered: u64,
+    /// Duplicates within a partition and copies on other partitions.
     pub duplicates: u64,
+    /// Of the duplicates, copies of a click counted on another partition.
+    pub cross_partition: u64,
     pub invalid: u64,
-    pub skipped: u64,
+    /// Records read before the first counted offset, to rebuild dedup state.
+    pub warmup: u64,
 }
 
 impl BatchStats {
@@ -98,8 +119,9 @@ impl BatchStats {
         self.counted += o.counted;
         self.redelivered += o.redelivered;
         self.duplicates += o.duplicates;
+        self.cross_partition += o.cross_partition;
         self.invalid += o.invalid;
-        self.skipped += o.skipped;
+        self.warmup += o.warmup;
     }
 }
 
@@ -108,7 +130,16 @@ pub struct Stages {
     topic: String,
     limits: Limits,
     pub agg: Aggregator,
-    dedup: Dedup,
+    cache: SharedCache,
+    fingerprints: Fingerprinter,
+    window: Secs,
+    max_record_lag: Duration,
+    /// The partitions being read, with where each started and how it decides. Records
+    /// of other partitions (fetched before a revoke) are dropped; commits are only sent
+    /// for these.
+    readers: HashMap<i32, Reader>,
+    /// The state of readers that rebuilt it from the log (`Scope::Private`).
+    private: PrivateScope,
     dead_letters: Option<DeadLetters>,
     sink: Sink,
     /// A flush cut from the aggregator but not yet durable. Flushes land one at a time
@@ -118,14 +149,6 @@ pub struct Stages {
     flush_backoff: Backoff,
     max_backoff: Duration,
     drain_timeout: Duration,
-    /// Partitions this member owns now. Records of other partitions (fetched before a
-    /// revoke) are dropped; commits are only sent for owned partitions.
-    assigned: BTreeSet<i32>,
-    /// Assigned partitions whose first record has not arrived yet.
-    fresh: BTreeSet<i32>,
-    /// Per partition, records below this offset are skipped: their batch starts before
-    /// the log start (retention removed its beginning), so a count of it would be partial.
-    skip_below: HashMap<i32, i64>,
     /// Set when the drain failed: revocation then forgets state without writing.
     abandoned: bool,
     /// `false` for `replay`, which reads by direct assignment and owns no group offsets.
@@ -137,10 +160,56 @@ pub struct Stages {
     log_limit: RateLimiter,
 }
 
+/// One partition being read (see `position`).
+#[derive(Debug)]
+struct Reader {
+    /// The first offset counted; records before it only rebuild dedup state.
+    count_from: i64,
+    clock: PartitionClock,
+    scope: Scope,
+    /// Recorded cross-partition decisions for offsets this reader reads.
+    pins: BTreeMap<i64, Pin>,
+    /// The last offset processed: anything at or below it is a stale fetch.
+    last: i64,
+}
+
+impl Reader {
+    fn new(start: Start, pins: BTreeMap<i64, Pin>) -> Reader {
+        Reader {
+            count_from: start.count_from,
+            clock: PartitionClock::at(start.clock),
+            scope: start.scope,
+            pins,
+            last: start.read_from - 1,
+        }
+    }
+}
+
+/// Why a member stops trusting the shared cache for a partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Distrust {
+    /// A re-read the cache could not decide.
+    Undecidable,
+    /// The partition lags the wall clock by more than `dedup.max_record_lag`: entries
+    /// it needs may have been collected.
+    Lag,
+}
+
+impl Distrust {
+    fn as_str(self) -> &'static str {
+        match self {
+            Distrust::Undecidable => "undecidable",
+            Distrust::Lag => "lag",
+        }
+    }
+}
+
 pub struct StagesConfig {
     pub topic: String,
     pub limits: Limits,
     pub batch_offsets: BatchOffsets,
+    pub window: Duration,
+    pub max_record_lag: Duration,
     pub max_backoff: Duration,
     pub drain_timeout: Duration,
     pub commit_offsets: bool,
@@ -152,6 +221,8 @@ impl StagesConfig {
             topic: s.kafka.topic.clone(),
             limits: s.validation.limits(),
             batch_offsets: s.batch_offsets(),
+            window: s.dedup_window(),
+            max_record_lag: s.dedup.max_record_lag,
             max_backoff: s.pipeline.max_backoff,
             drain_timeout: s.pipeline.drain_timeout,
             commit_offsets: true,
@@ -166,19 +237,37 @@ pub enum Interrupted {
     Fatal(PipelineError),
 }
 
+/// One record of a poll batch on its way through the stages.
+struct Item<'a> {
+    record: &'a Record,
+    /// Its record time.
+    clock: Secs,
+    /// Before the reader's first counted offset: it only rebuilds dedup state.
+    warm: bool,
+    fingerprint: Option<Fingerprint>,
+    verdict: Option<Verdict>,
+}
+
 impl Stages {
     pub fn new(
         cfg: StagesConfig,
-        dedup: Dedup,
+        cache: SharedCache,
+        fingerprints: Fingerprinter,
         dead_letters: Option<DeadLetters>,
         sink: Sink,
         health: Arc<Health>,
     ) -> Stages {
+        let window = cfg.window.as_secs().try_into().unwrap_or(Secs::MAX);
         Stages {
             topic: cfg.topic,
             limits: cfg.limits,
             agg: Aggregator::new(cfg.batch_offsets),
-            dedup,
+            cache,
+            fingerprints,
+            window,
+            max_record_lag: cfg.max_record_lag,
+            readers: HashMap::new(),
+            private: PrivateScope::new(window),
             dead_letters,
             sink,
             pending: None,
@@ -186,9 +275,6 @@ impl Stages {
             flush_backoff: Backoff::new(cfg.max_backoff),
             max_backoff: cfg.max_backoff,
             drain_timeout: cfg.drain_timeout,
-            assigned: BTreeSet::new(),
-            fresh: BTreeSet::new(),
-            skip_below: HashMap::new(),
             abandoned: false,
             commit_offsets: cfg.commit_offsets,
             totals: BatchStats::default(),
@@ -202,17 +288,76 @@ impl Stages {
         &self.limits
     }
 
-    /// Partitions become ours: any state left from an earlier ownership is stale
-    /// (the consumer restarts from the committed boundary), so it is dropped.
-    pub fn assign(&mut self, partitions: &[i32]) {
-        for &p in partitions {
-            self.agg.forget(p);
-            self.skip_below.remove(&p);
-            self.assigned.insert(p);
-            self.fresh.insert(p);
+    /// Plans where each newly assigned partition starts (`position::shared_start`):
+    /// the batch boundary at or below its committed offset, a warm-up when the cache
+    /// lacks the sightings before it, and the recorded pins of what it will re-read.
+    /// Blocking broker look-ups; called from the rebalance callback.
+    pub async fn plan_shared_starts<C: ConsumerContext>(
+        &mut self,
+        consumer: &BaseConsumer<C>,
+        partitions: &[i32],
+    ) -> Result<Vec<(Start, BTreeMap<i64, Pin>)>, PipelineError> {
+        // A cooperative rebalance may assign nothing new to this member.
+        if partitions.is_empty() {
+            return Ok(Vec::new());
         }
-        self.health.set_assigned(self.assigned.len());
-        metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.assigned.len() as f64);
+        let mut tpl = TopicPartitionList::new();
+        for &p in partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        let timeout = Duration::from_secs(10);
+        let committed = consumer.committed_offsets(tpl, timeout)?;
+        let requested: BTreeMap<i32, Option<i64>> = committed
+            .elements()
+            .iter()
+            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
+            .collect();
+        let n = self.agg.batch_offsets();
+        let marks = source::marks(consumer, &self.topic, n, &requested, self.window, timeout)?;
+        let frontiers = self.cache.frontiers(partitions).await?;
+        let mut starts = Vec::new();
+        for (&p, &m) in &marks {
+            let start = position::shared_start(p, m, frontiers.get(&p).copied());
+            if start.read_from == m.lookback && m.lookback < m.boundary {
+                // The cache lacks everything before the lookback: its re-reads below the
+                // boundary cannot be trusted after this warm-up.
+                self.cache.restart(p, m.lookback, m.boundary).await?;
+            }
+            // Every recorded decision from the first offset read on: a re-read applies it,
+            // warm-up included, with the effect it had on the cache (the frontier may be lost).
+            let pins = self.pins(p, start.read_from, i64::MAX).await?;
+            info!(
+                partition = p,
+                committed = ?requested.get(&p).copied().flatten(),
+                count_from = start.count_from,
+                read_from = start.read_from,
+                cache_frontier = ?frontiers.get(&p).map(|f| f.claimed),
+                "partition start planned"
+            );
+            starts.push((start, pins));
+        }
+        Ok(starts)
+    }
+
+    /// Partitions become ours, starting as planned: any state left from an earlier
+    /// ownership is stale, so it is dropped.
+    pub fn assign(&mut self, starts: Vec<(Start, BTreeMap<i64, Pin>)>) {
+        for (start, pins) in starts {
+            let p = start.partition;
+            self.agg.forget(p);
+            self.private.forget(p);
+            if start.read_from < start.count_from {
+                info!(
+                    partition = p,
+                    from = start.read_from,
+                    to = start.count_from,
+                    "warming up dedup state from the log"
+                );
+            }
+            self.readers.insert(p, Reader::new(start, pins));
+        }
+        self.health.set_assigned(self.readers.len());
+        metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
     }
 
     /// Partitions stop being ours: flush their state and commit, within the drain
@@ -236,12 +381,11 @@ impl Stages {
             }
             for &p in partitions {
                 self.agg.forget(p);
-                self.assigned.remove(&p);
-                self.fresh.remove(&p);
-                self.skip_below.remove(&p);
+                self.private.forget(p);
+                self.readers.remove(&p);
             }
-            self.health.set_assigned(self.assigned.len());
-            metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.assigned.len() as f64);
+            self.health.set_assigned(self.readers.len());
+            metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
         }
         .instrument(span)
         .await
@@ -252,111 +396,201 @@ impl Stages {
     pub async fn process<C: ConsumerContext>(
         &mut self,
         consumer: &impl Consumer<C>,
-        mut records: Vec<Record>,
+        records: Vec<Record>,
         shutdown: &CancellationToken,
     ) -> Result<BatchStats, Interrupted> {
         let mut stats = BatchStats::default();
-        records.retain(|r| self.assigned.contains(&r.partition));
-        self.skip_partial_batches(consumer, &mut records, &mut stats);
-        stats.records = records.len() as u64 + stats.skipped;
+        let mut items = self.clock_in(&records);
+        stats.warmup = items.iter().filter(|i| i.warm).count() as u64;
+        stats.records = items.len() as u64 - stats.warmup;
 
-        if records.iter().any(|r| r.outcome.is_err()) {
-            stats.invalid = self.route_rejected(&records, shutdown).await?;
+        let counted_records: Vec<&Record> = items.iter().filter(|i| !i.warm).map(|i| i.record).collect();
+        if counted_records.iter().any(|r| r.outcome.is_err()) {
+            stats.invalid = self.route_rejected(&counted_records, shutdown).await?;
         }
 
-        let claims: Vec<Claim> = records
-            .iter()
-            .filter_map(|r| {
-                r.outcome.as_ref().ok().map(|c| Claim {
-                    click_id: c.click_id.as_str(),
-                    partition: r.partition,
-                    offset: r.offset,
-                })
-            })
-            .collect();
-        let verdicts = self.claim_with_retry(&claims, shutdown).await?;
+        let mut distrusted: BTreeMap<i32, Distrust> = self.lagging(&items);
+        self.decide_private(&mut items);
+        self.decide_shared(&mut items, &distrusted, shutdown).await?;
+        for i in &items {
+            if !i.warm && i.verdict == Some(Verdict::Undecidable) {
+                distrusted.entry(i.record.partition).or_insert(Distrust::Undecidable);
+            }
+        }
 
-        let mut verdicts = verdicts.into_iter();
-        for r in &records {
-            let counted = match &r.outcome {
-                Ok(click) => match verdicts.next().expect("one verdict per valid record") {
-                    Verdict::First => {
-                        stats.counted += 1;
-                        Some(BucketKey { ad_id: click.ad_id, minute: click.minute })
+        for i in items.iter().filter(|i| !i.warm && !distrusted.contains_key(&i.record.partition)) {
+            let r = i.record;
+            let (counted, pin) = match (&r.outcome, i.verdict) {
+                (Ok(click), Some(v)) => {
+                    match v {
+                        Verdict::Own => stats.redelivered += 1,
+                        Verdict::Duplicate => stats.duplicates += 1,
+                        Verdict::CrossDuplicate => {
+                            stats.duplicates += 1;
+                            stats.cross_partition += 1;
+                        }
+                        _ => {}
                     }
-                    Verdict::Redelivered => {
-                        stats.counted += 1;
-                        stats.redelivered += 1;
-                        Some(BucketKey { ad_id: click.ad_id, minute: click.minute })
-                    }
-                    Verdict::Duplicate => {
-                        stats.duplicates += 1;
-                        None
-                    }
-                },
-                Err(_) => None,
+                    let bucket = BucketKey { ad_id: click.ad_id, minute: click.minute };
+                    // Recorded again on re-reads too: a pin applied from the cache may not
+                    // be durable yet, and the trim after this flush's commit drops it there.
+                    (v.counts().then_some(bucket), v.pin().map(|p| (p, bucket)))
+                }
+                _ => (None, None),
             };
-            self.agg.observe(r.partition, r.offset, counted);
+            stats.counted += u64::from(counted.is_some());
+            self.agg.observe(r.partition, r.offset, counted, pin);
+        }
+
+        for (p, why) in distrusted {
+            self.fall_back_to_private(consumer, p, why).await.map_err(Interrupted::Fatal)?;
         }
 
         metrics::counter!(t::RECORDS_CONSUMED).increment(stats.records);
+        metrics::counter!(t::WARMUP_RECORDS).increment(stats.warmup);
         metrics::counter!(t::CLICKS_COUNTED).increment(stats.counted);
         metrics::counter!(t::REDELIVERIES).increment(stats.redelivered);
         metrics::counter!(t::DUPLICATES_DROPPED).increment(stats.duplicates);
-        metrics::counter!(t::SKIPPED_PARTIAL_BATCH).increment(stats.skipped);
+        metrics::counter!(t::CROSS_PARTITION_DUPLICATES).increment(stats.cross_partition);
         metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
         self.totals.add(&stats);
         Ok(stats)
     }
 
-    /// The first record of a newly assigned partition tells whether its batch is whole
-    /// in the log. If retention removed the batch's start, counting the rest would write
-    /// a smaller cumulative count over the complete one; skip to the next boundary.
-    fn skip_partial_batches<C: ConsumerContext>(
-        &mut self,
-        consumer: &impl Consumer<C>,
-        records: &mut Vec<Record>,
-        stats: &mut BatchStats,
-    ) {
-        let n = self.agg.batch_offsets();
-        for r in records.iter() {
-            if !self.fresh.remove(&r.partition) || n.start_of(r.offset) == r.offset {
+    /// Advances each partition's clock over the batch and says which records are
+    /// warm-up. Records of partitions not ours, and stale ones (at or below what was
+    /// already processed, fetched before a seek), are dropped.
+    fn clock_in<'a>(&mut self, records: &'a [Record]) -> Vec<Item<'a>> {
+        let mut items = Vec::with_capacity(records.len());
+        for r in records {
+            let Some(reader) = self.readers.get_mut(&r.partition) else { continue };
+            if r.offset <= reader.last {
                 continue;
             }
-            let low = tokio::task::block_in_place(|| {
-                consumer.fetch_watermarks(&self.topic, r.partition, Duration::from_secs(10))
-            });
-            match low {
-                Ok((low, _)) if n.start_of(r.offset) < low => {
-                    let boundary = n.boundary_at_or_after(r.offset);
-                    warn!(
-                        partition = r.partition,
-                        log_start = low,
-                        first_offset = r.offset,
-                        resume_at = boundary,
-                        "the batch at the log start was partly removed by retention; skipping to the next batch boundary"
-                    );
-                    self.skip_below.insert(r.partition, boundary);
-                }
-                Ok(_) => {}
-                Err(e) => {
-                    warn!(partition = r.partition, error = %e, "could not read the log start; assuming the batch is whole")
-                }
-            }
+            reader.last = r.offset;
+            let clock = reader.clock.tick(r.timestamp_ms);
+            let fingerprint = r.outcome.as_ref().ok().map(|c| self.fingerprints.of(c.click_id.as_str()));
+            let warm = r.offset < reader.count_from;
+            items.push(Item { record: r, clock, warm, fingerprint, verdict: None });
         }
-        if self.skip_below.is_empty() {
-            return;
-        }
-        records.retain(|r| match self.skip_below.get(&r.partition) {
-            Some(&b) if r.offset < b => {
-                stats.skipped += 1;
-                false
-            }
-            _ => true,
-        });
+        items
     }
 
-    async fn route_rejected(&mut self, records: &[Record], shutdown: &CancellationToken) -> Result<u64, Interrupted> {
+    /// Partitions read from the shared cache whose first counted record lags the wall
+    /// clock by more than `dedup.max_record_lag`: the cache may have collected entries
+    /// they need.
+    fn lagging(&self, items: &[Item<'_>]) -> BTreeMap<i32, Distrust> {
+        let now = chrono::Utc::now().timestamp().max(0) as u64;
+        let limit = self.max_record_lag.as_secs();
+        let mut out = BTreeMap::new();
+        let mut seen = BTreeSet::new();
+        for i in items.iter().filter(|i| !i.warm) {
+            let p = i.record.partition;
+            if !seen.insert(p) {
+                continue;
+            }
+            let lag = now.saturating_sub(u64::from(i.clock));
+            metrics::gauge!(t::RECORD_LAG, "partition" => p.to_string()).set(lag as f64);
+            let shared = matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. }));
+            if shared && lag > limit {
+                out.insert(p, Distrust::Lag);
+            }
+        }
+        out
+    }
+
+    /// Decides the records of partitions with private state.
+    fn decide_private(&mut self, items: &mut [Item<'_>]) {
+        for i in items.iter_mut() {
+            let p = i.record.partition;
+            let Some(fp) = i.fingerprint else { continue };
+            let reader = self.readers.get(&p).expect("clocked in");
+            if reader.scope != Scope::Private {
+                continue;
+            }
+            let pin = if i.warm { None } else { reader.pins.get(&i.record.offset).copied() };
+            i.verdict = Some(self.private.sight(p, fp.0, i.clock, pin));
+        }
+    }
+
+    /// Decides the records of partitions read from the shared cache, with one `FCALL` per
+    /// poll batch (and key group); a record with a recorded pin has it applied.
+    async fn decide_shared(
+        &mut self,
+        items: &mut [Item<'_>],
+        distrusted: &BTreeMap<i32, Distrust>,
+        shutdown: &CancellationToken,
+    ) -> Result<(), Interrupted> {
+        let mut claims = Vec::new();
+        let mut claimed = Vec::new();
+        for (idx, i) in items.iter_mut().enumerate() {
+            let p = i.record.partition;
+            let Some(fp) = i.fingerprint else { continue };
+            let reader = self.readers.get(&p).expect("clocked in");
+            if reader.scope == Scope::Private || distrusted.contains_key(&p) {
+                continue;
+            }
+            let mode = ClaimMode { pin: reader.pins.get(&i.record.offset).copied(), warm: i.warm };
+            let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
+            claims.push(Claim { fingerprint: fp, sighting, mode });
+            claimed.push(idx);
+        }
+        let verdicts = self.claim_with_retry(&claims, shutdown).await?;
+        for (idx, v) in claimed.into_iter().zip(verdicts) {
+            items[idx].verdict = Some(v);
+        }
+        Ok(())
+    }
+
+    /// Stops deciding `partition` from the shared cache: its rows so far (decided
+    /// correctly) go to the next flush, and it is read again from the start of its
+    /// open batch with state rebuilt from the log (`position::private_start`).
+    async fn fall_back_to_private<C: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<C>,
+        partition: i32,
+        why: Distrust,
+    ) -> Result<(), PipelineError> {
+        let Some(reader) = self.readers.get(&partition) else { return Ok(()) };
+        let cut = self.agg.take_partitions(&[partition]);
+        let from = cut.commits.get(&partition).copied().unwrap_or(reader.count_from);
+        match self.pending.as_mut() {
+            Some(pending) => pending.merge(cut),
+            None => self.pending = Some(cut),
+        }
+        let n = self.agg.batch_offsets();
+        let requested = BTreeMap::from([(partition, Some(from))]);
+        let timeout = Duration::from_secs(10);
+        let marks =
+            tokio::task::block_in_place(|| source::marks(consumer, &self.topic, n, &requested, self.window, timeout))?;
+        let start = position::private_start(partition, marks[&partition]);
+        let pins = self.pins(partition, start.count_from, i64::MAX).await?;
+        warn!(
+            partition,
+            reason = why.as_str(),
+            count_from = start.count_from,
+            read_from = start.read_from,
+            "the dedup cache cannot decide this partition; rebuilding its state from the log"
+        );
+        metrics::counter!(t::DEDUP_REBUILDS, "reason" => why.as_str()).increment(1);
+        self.private.forget(partition);
+        self.readers.insert(partition, Reader::new(start, pins));
+        tokio::task::block_in_place(|| {
+            consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)
+        })?;
+        Ok(())
+    }
+
+    /// Every cross-partition decision recorded for `partition` in `[from, to]`: durable
+    /// in ClickHouse, or still only in the cache when the flush that records it has not
+    /// happened yet (a re-read after a crash).
+    async fn pins(&mut self, partition: i32, from: i64, to: i64) -> Result<BTreeMap<i64, Pin>, PipelineError> {
+        let mut pins = self.sink.pins(&self.topic, partition, from, to).await?;
+        pins.extend(self.cache.cached_pins(partition, from, to).await?);
+        Ok(pins)
+    }
+
+    async fn route_rejected(&mut self, records: &[&Record], shutdown: &CancellationToken) -> Result<u64, Interrupted> {
         let mut invalid = 0u64;
         for r in records {
             if let Err(rejected) = &r.outcome {
@@ -397,12 +631,15 @@ impl Stages {
 
     async fn claim_with_retry(
         &mut self,
-        claims: &[Claim<'_>],
+        claims: &[Claim],
         shutdown: &CancellationToken,
     ) -> Result<Vec<Verdict>, Interrupted> {
+        if claims.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut backoff = Backoff::new(self.max_backoff);
         loop {
-            match self.dedup.claim(&self.topic, claims).await {
+            match self.cache.claim(claims).await {
                 Ok(v) => {
                     self.health.set_redis(true);
                     return Ok(v);
@@ -450,8 +687,14 @@ impl Stages {
         }
         let pending = self.pending.as_ref().expect("set above");
         let started = Instant::now();
-        let span = info_span!("flush", rows = pending.rows.len(), commits = ?pending.commits);
-        let result = self.sink.insert(&self.topic, &pending.rows).instrument(span.clone()).await;
+        let span =
+            info_span!("flush", rows = pending.rows.len(), pins = pending.pins.len(), commits = ?pending.commits);
+        let write = async {
+            self.sink.insert_pins(&self.topic, &pending.pins).await?;
+            let writer = if self.commit_offsets { Writer::Member } else { Writer::Replay };
+            self.sink.insert(&self.topic, &pending.rows, writer).await
+        };
+        let result = write.instrument(span.clone()).await;
         match result {
             Ok(()) => {
                 metrics::histogram!(t::FLUSH_DURATION).record(started.elapsed().as_secs_f64());
@@ -462,6 +705,12 @@ impl Stages {
                 self.health.set_clickhouse(true);
                 let pending = self.pending.take().expect("set above");
                 self.commit(consumer, &pending.commits, mode);
+                if self.commit_offsets && !pending.pins.is_empty() {
+                    // The pins are durable now; their cached copies below the commits can go.
+                    if let Err(e) = self.cache.trim_cached_pins(&pending.commits).await {
+                        warn!(error = %e, "could not trim cached cross-partition decisions; they are trimmed later");
+                    }
+                }
                 metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
                 self.flush_backoff.reset();
                 self.next_flush_attempt = Instant::now();
@@ -509,7 +758,7 @@ impl Stages {
         }
         let mut tpl = TopicPartitionList::new();
         for (&p, &offset) in commits {
-            if self.assigned.contains(&p) {
+            if self.readers.contains_key(&p) {
                 let _ = tpl.add_partition_offset(&self.topic, p, Offset::Offset(offset));
             }
         }
@@ -519,7 +768,7 @@ impl Stages {
         match consumer.commit(&tpl, mode) {
             Ok(()) => {
                 for (&p, &offset) in commits {
-                    if self.assigned.contains(&p) {
+                    if self.readers.contains_key(&p) {
                         metrics::gauge!(t::COMMITTED_OFFSET, "partition" => p.to_string()).set(offset as f64);
                     }
                 }
@@ -543,101 +792,5 @@ pub(crate) async fn sleep_or_shutdown(d: Duration, shutdown: &CancellationToken)
     tokio::select! {
         _ = shutdown.cancelled() => Err(Interrupted::Shutdown),
         _ = tokio::time::sleep(d) => Ok(()),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::click::Minute;
-    use crate::dedup::{decide, owner_token};
-    use proptest::prelude::*;
-    use std::collections::HashMap;
-
-    /// Dedup and aggregation together, against a model of Redis (a map that survives
-    /// crashes) and of `ReplacingMergeTree` read with FINAL: whatever the crash points,
-    /// each click ID is counted once, in the bucket of its first sighting.
-    fn run_with_crashes(log: &[(u8, u64)], n: u64, crashes: &[(usize, bool)]) -> BTreeMap<BucketKey, u64> {
-        let n = BatchOffsets::new(n).unwrap();
-        let key = |ad: u64| BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds(0) };
-        let mut redis: HashMap<u8, String> = HashMap::new();
-        let mut table: HashMap<(i64, BucketKey), (u64, i64)> = HashMap::new();
-        let mut committed = 0usize;
-        let apply = |f: &Flush, table: &mut HashMap<(i64, BucketKey), (u64, i64)>| {
-            for r in &f.rows {
-                let slot = table.entry((r.batch_start, r.key)).or_insert((r.clicks, r.version));
-                if r.version >= slot.1 {
-                    *slot = (r.clicks, r.version);
-                }
-            }
-        };
-        let member = |from: usize,
-                      upto: Option<usize>,
-                      flush_at_end: bool,
-                      redis: &mut HashMap<u8, String>,
-                      table: &mut HashMap<(i64, BucketKey), (u64, i64)>|
-         -> Option<usize> {
-            let mut agg = Aggregator::new(n);
-            let end = upto.map_or(log.len(), |u| (from + u).min(log.len()));
-            for (o, &(id, ad)) in log.iter().enumerate().take(end).skip(from) {
-                let mine = owner_token("t", 0, o as i64);
-                let previous = redis.get(&id).cloned();
-                if previous.is_none() {
-                    redis.insert(id, mine.clone());
-                }
-                let counted = decide(previous.as_deref().map(str::as_bytes), &mine).counts().then(|| key(ad));
-                agg.observe(0, o as i64, counted);
-            }
-            if flush_at_end && agg.partitions().next().is_some() {
-                let f = agg.take_flush();
-                apply(&f, table);
-                return Some(f.commits[&0] as usize);
-            }
-            None
-        };
-        for &(crash_after, flushed) in crashes {
-            if let Some(c) = member(committed, Some(crash_after), flushed, &mut redis, &mut table) {
-                committed = c;
-            }
-        }
-        member(committed, None, true, &mut redis, &mut table);
-        let mut billing = BTreeMap::new();
-        for ((_, k), (c, _)) in table {
-            *billing.entry(k).or_default() += c;
-        }
-        billing.retain(|_, c: &mut u64| *c > 0);
-        billing
-    }
-
-    proptest! {
-        #[test]
-        fn each_click_id_counts_once_through_crashes_restarts_and_redeliveries(
-            log in prop::collection::vec((0u8..40, 0u64..3), 1..250),
-            n in 1u64..30,
-            crashes in prop::collection::vec((0usize..120, any::<bool>()), 0..6),
-        ) {
-            let mut first: HashMap<u8, u64> = HashMap::new();
-            for &(id, ad) in &log {
-                first.entry(id).or_insert(ad);
-            }
-            let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
-            for ad in first.values() {
-                *expected.entry(BucketKey { ad_id: *ad, minute: Minute::from_epoch_seconds(0) }).or_default() += 1;
-            }
-            let billing = run_with_crashes(&log, n, &crashes);
-            prop_assert_eq!(billing.values().sum::<u64>(), first.len() as u64, "total equals distinct clicks");
-            prop_assert_eq!(billing, expected);
-        }
-    }
-
-    #[test]
-    fn a_plain_setnx_would_lose_the_click_of_a_crashed_member() {
-        // The hazard the owner token exists for: claim, crash before the flush, re-read.
-        let mine = owner_token("t", 0, 7);
-        assert_eq!(decide(None, &mine), crate::dedup::Verdict::First);
-        // With SETNX the re-read sees "key exists" and drops the click; with the owner
-        // token it recognises its own position and counts it again.
-        assert_eq!(decide(Some(mine.as_bytes()), &mine), crate::dedup::Verdict::Redelivered);
-        assert_eq!(decide(Some(b"t/0/3"), &mine), crate::dedup::Verdict::Duplicate);
     }
 }

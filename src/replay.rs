@@ -1,11 +1,15 @@
 //! `clickagg replay`: backfill by re-reading a range of the topic through the same
 //! stages as the live pipeline (decode → dead letters → dedup → aggregate → flush).
 //!
-//! Why a replay changes no correct count (DESIGN.md §4): each partition starts at a
-//! batch boundary (the requested offset rounded down), so every batch is rebuilt from
-//! its first offset and every row it writes is one the live pipeline wrote or would
-//! write — same `(clicks, version)` or a lower version, which loses. Dedup decisions are
-//! the same too: the owner tokens in Redis name positions in the log, not consumers.
+//! Why a replay changes no correct count (DESIGN.md §4 and §7): each partition counts
+//! from a batch boundary (the requested offset rounded down), so every batch is rebuilt
+//! from its first offset; and every dedup decision is a function of the log: the replay
+//! rebuilds its own dedup state by first reading, without counting, the window of record
+//! time before that boundary (`position`), and follows the cross-partition decisions
+//! the live members recorded (`clickagg_pins`). So every row it writes is one the live
+//! pipeline wrote or would write — same `(clicks, version)`, or a lower version, which
+//! loses — whether or not Redis still holds anything. It never touches Redis: its state
+//! lives in its own memory and is gone when it ends.
 //!
 //! The replay reads by direct assignment (no consumer group, nothing committed) up to
 //! the end captured when it starts, so it finishes even while producers keep writing.
@@ -23,9 +27,10 @@ use tracing::info;
 use crate::aggregate::BatchOffsets;
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::Dedup;
+use crate::dedup::Pin;
 use crate::health::Health;
 use crate::pipeline::{BatchStats, Interrupted, Stages, StagesConfig};
+use crate::position::{self, Start};
 use crate::sink::Sink;
 use crate::source::{self, RangeReader, Ranges};
 
@@ -96,19 +101,6 @@ impl std::str::FromStr for StopAt {
     }
 }
 
-/// Where a partition's replay starts: the batch boundary at or below `requested`
-/// (the log end when nothing is requested), or — when retention removed that
-/// boundary — the first boundary after the log start.
-pub fn start_offset(n: BatchOffsets, low: i64, high: i64, requested: Option<i64>) -> i64 {
-    let o = requested.unwrap_or(high).clamp(low, high);
-    let start = n.start_of(o);
-    if start < low {
-        n.boundary_at_or_after(low)
-    } else {
-        start
-    }
-}
-
 /// What one partition offers: (low, high) watermarks, the offset for `--from`, for `--to`.
 #[derive(Debug, Clone, Copy)]
 pub struct PartitionMarks {
@@ -118,19 +110,33 @@ pub struct PartitionMarks {
     pub to: Option<i64>,
 }
 
-/// The ranges a replay reads, from the broker's answers. Pure, so it is tested alone.
+/// The ranges a replay counts, from the broker's answers: from the batch boundary at or
+/// below `--from` (the log end when no record is that late) to `--to`. Pure, so it is
+/// tested alone.
 pub fn plan_ranges(n: BatchOffsets, marks: &BTreeMap<i32, PartitionMarks>) -> Ranges {
     let mut ranges = Ranges::default();
     for (&p, m) in marks {
-        let start = start_offset(n, m.low, m.high, m.from);
+        let start = position::boundary(n, m.low, m.high, Some(m.from.unwrap_or(m.high)));
         let end = m.to.unwrap_or(m.high).min(m.high);
         ranges.partitions.insert(p, (start, end.max(start)));
     }
     ranges
 }
 
-/// Asks the broker for watermarks and time-based offsets, then plans the ranges.
-pub fn resolve(s: &Settings, from: &StartAt, to: StopAt) -> Result<Ranges> {
+/// What a replay reads: per partition, where it starts (counting from a batch boundary,
+/// after the warm-up that rebuilds its dedup state) and where it ends.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub starts: Vec<Start>,
+    /// The offsets counted, `[count_from, end)`.
+    pub counted: Ranges,
+    /// The offsets read, warm-up included, `[read_from, end)`.
+    pub read: Ranges,
+}
+
+/// Asks the broker for watermarks, time-based offsets and the lookback before each
+/// boundary, then plans the replay.
+pub fn resolve(s: &Settings, from: &StartAt, to: StopAt) -> Result<Plan> {
     let consumer: BaseConsumer = source::lookup_consumer(&s.kafka)?;
     let topic = &s.kafka.topic;
     let timeout = Duration::from_secs(15);
@@ -155,12 +161,35 @@ pub fn resolve(s: &Settings, from: &StartAt, to: StopAt) -> Result<Ranges> {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
         marks.insert(p, PartitionMarks { low, high, from, to: to_offsets.get(&p).copied().flatten() });
     }
-    Ok(plan_ranges(s.batch_offsets(), &marks))
+    let counted = plan_ranges(s.batch_offsets(), &marks);
+    let boundaries = counted.partitions.iter().map(|(&p, &(start, _))| (p, start)).collect();
+    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
+    let lookbacks = source::marks_at(&consumer, topic, &boundaries, window, timeout)?;
+    let starts: Vec<Start> = lookbacks.iter().map(|(&p, &m)| position::private_start(p, m)).collect();
+    for st in &starts {
+        let low = marks[&st.partition].low;
+        if st.read_from == low && low > 0 && st.read_from < st.count_from {
+            tracing::warn!(
+                partition = st.partition,
+                log_start = low,
+                "retention removed part of the window before the replayed range: a retry whose original \
+                 was deleted counts as a new click"
+            );
+        }
+    }
+    let read = Ranges {
+        partitions: starts
+            .iter()
+            .map(|st| (st.partition, (st.read_from, counted.partitions[&st.partition].1)))
+            .collect(),
+    };
+    Ok(Plan { starts, counted, read })
 }
 
 /// What a replay did.
 #[derive(Debug, Clone, Default)]
 pub struct Summary {
+    /// The offsets counted (the warm-up before them is in `stats.warmup`).
     pub ranges: Ranges,
     pub stats: BatchStats,
     pub rows_written: u64,
@@ -172,17 +201,17 @@ impl Summary {
         let secs = self.elapsed.as_secs_f64().max(1e-9);
         let s = &self.stats;
         format!(
-            "replayed {} records in {:.1}s ({:.0} records/s): {} counted ({} already claimed by their own position), \
-             {} duplicates, {} invalid, {} skipped; {} rows written",
+            "replayed {} records in {:.1}s ({:.0} records/s): {} counted, {} duplicates ({} copies on other \
+             partitions), {} invalid; {} rows written; {} records read before the range to rebuild dedup state",
             s.records,
             secs,
-            s.records as f64 / secs,
+            (s.records + s.warmup) as f64 / secs,
             s.counted,
-            s.redelivered,
             s.duplicates,
+            s.cross_partition,
             s.invalid,
-            s.skipped,
-            self.rows_written
+            self.rows_written,
+            s.warmup
         )
     }
 }
@@ -196,10 +225,15 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
 
     let settings = s.clone();
-    let ranges = tokio::task::spawn_blocking(move || resolve(&settings, &from, to)).await??;
-    info!(ranges = ?ranges.partitions, records = ranges.records(), "replay planned");
-
-    let dedup = Dedup::new(s.redis_client()?, s.redis.key_prefix.clone(), s.redis.dedup_ttl, s.redis.timeout);
+    let plan = tokio::task::spawn_blocking(move || resolve(&settings, &from, to)).await??;
+    let Plan { starts, counted: ranges, read } = plan;
+    info!(ranges = ?ranges.partitions, records = ranges.records(), warmup = read.records() - ranges.records(), "replay planned");
+    let mut with_pins: Vec<(Start, BTreeMap<i64, Pin>)> = Vec::new();
+    for st in starts {
+        let end = ranges.partitions[&st.partition].1;
+        let pins = sink.pins(&s.kafka.topic, st.partition, st.count_from, end - 1).await?;
+        with_pins.push((st, pins));
+    }
     let dead_letters = if s.dead_letter.enabled && !args.no_dead_letters {
         let topic = s.dead_letter_topic();
         source::ensure_topic(&s.kafka, &topic, 1).await?;
@@ -208,12 +242,13 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         None
     };
     let config = StagesConfig { commit_offsets: false, ..StagesConfig::from_settings(s) };
-    let mut stages = Stages::new(config, dedup, dead_letters, sink, Health::new());
-    stages.assign(&ranges.partitions.keys().copied().collect::<Vec<_>>());
+    // The shared cache is never consulted: every start is private (it connects lazily).
+    let mut stages = Stages::new(config, s.shared_cache()?, s.fingerprinter(), dead_letters, sink, Health::new());
+    stages.assign(with_pins);
 
     let group = format!("{}-replay", s.kafka.group);
-    let mut reader = RangeReader::new(&s.kafka, &group, &ranges, s.validation.limits(), s.pipeline.max_poll_records)?;
-    let progress = Progress::new(&ranges);
+    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.validation.limits(), s.pipeline.max_poll_records)?;
+    let progress = Progress::new(&read);
     let mut last_flush = Instant::now();
     loop {
         let batch = tokio::select! {
@@ -232,7 +267,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
                 last_flush = Instant::now();
             }
         }
-        progress.update(&ranges, reader.positions(), &stages.totals);
+        progress.update(&read, reader.positions(), &stages.totals);
     }
     let deadline = Instant::now() + s.pipeline.drain_timeout.max(Duration::from_secs(60));
     if !stages.flush_until(deadline, reader.consumer(), CommitMode::Async).await? {
@@ -314,19 +349,6 @@ mod tests {
 
     fn n(v: u64) -> BatchOffsets {
         BatchOffsets::new(v).unwrap()
-    }
-
-    #[test]
-    fn a_start_in_the_middle_of_a_batch_is_rounded_down_to_its_boundary() {
-        assert_eq!(start_offset(n(100), 0, 1000, Some(250)), 200);
-        assert_eq!(start_offset(n(100), 0, 1000, Some(300)), 300);
-    }
-
-    #[test]
-    fn a_boundary_removed_by_retention_moves_the_start_to_the_next_boundary() {
-        assert_eq!(start_offset(n(100), 150, 1000, Some(160)), 200);
-        assert_eq!(start_offset(n(100), 150, 1000, Some(0)), 200);
-        assert_eq!(start_offset(n(100), 200, 1000, Some(0)), 200);
     }
 
     #[test]

@@ -12,9 +12,10 @@ use std::time::Duration;
 use clickhouse::{Client, Compression, Row};
 use serde::{Deserialize, Serialize};
 
-use crate::aggregate::{BatchRow, BucketKey};
+use crate::aggregate::{BatchRow, BucketKey, PinRow};
 use crate::click::Minute;
 use crate::config::ClickHouseSettings;
+use crate::dedup::Pin;
 
 pub const TABLE: &str = "ad_clicks_minute";
 
@@ -22,6 +23,7 @@ pub const TABLE: &str = "ad_clicks_minute";
 pub const MIGRATIONS: &[(&str, &str)] = &[
     ("001_ad_clicks_minute.sql", include_str!("../sql/001_ad_clicks_minute.sql")),
     ("002_clickagg_topics.sql", include_str!("../sql/002_clickagg_topics.sql")),
+    ("003_clickagg_pins.sql", include_str!("../sql/003_clickagg_pins.sql")),
 ];
 
 #[derive(Debug, thiserror::Error)]
@@ -78,6 +80,21 @@ pub fn classify(e: clickhouse::error::Error) -> SinkError {
     }
 }
 
+/// Who writes a row. Rows of a live member outrank a replay's at the same offset: a
+/// replay that read a cross-partition copy before any member did counted it by its own
+/// partition's rule, while the member that reads it decides (and pins) which copy
+/// counts. Everything else they decide alike, so the rank only settles that race.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writer {
+    Replay = 0,
+    Member = 1,
+}
+
+/// The stored `version` of a row cut at `offset`: twice the offset, plus the writer's rank.
+pub fn stored_version(offset: i64, writer: Writer) -> u64 {
+    (offset.max(0) as u64) * 2 + writer as u64
+}
+
 #[derive(Row, Serialize)]
 struct RowOut<'a> {
     ad_id: u64,
@@ -87,6 +104,14 @@ struct RowOut<'a> {
     batch_start: u64,
     clicks: u64,
     version: u64,
+}
+
+#[derive(Row, Serialize, Deserialize)]
+struct PinOut<'a> {
+    topic: &'a str,
+    partition: u32,
+    offset: u64,
+    verdict: u8,
 }
 
 #[derive(Row, Deserialize)]
@@ -179,8 +204,50 @@ impl Sink {
         self.timed(self.client.query("SELECT 1").fetch_one::<u8>()).await.map(drop)
     }
 
+    /// Records cross-partition decisions. Idempotent: a re-read that makes one again
+    /// writes the same row.
+    pub async fn insert_pins(&self, topic: &str, pins: &[PinRow]) -> Result<(), SinkError> {
+        if pins.is_empty() {
+            return Ok(());
+        }
+        let write = async {
+            let mut insert = self.client.insert::<PinOut>("clickagg_pins").await?;
+            for p in pins {
+                let row =
+                    PinOut { topic, partition: p.partition as u32, offset: p.offset as u64, verdict: p.pin as u8 };
+                insert.write(&row).await?;
+            }
+            insert.end().await
+        };
+        self.timed(write).await
+    }
+
+    /// The recorded cross-partition decisions of `partition` in offsets `[from, to]`.
+    pub async fn pins(&self, topic: &str, partition: i32, from: i64, to: i64) -> Result<BTreeMap<i64, Pin>, SinkError> {
+        #[derive(Row, Deserialize)]
+        struct R {
+            offset: u64,
+            verdict: u8,
+        }
+        let rows: Vec<R> = self
+            .timed(
+                self.client
+                    .query(
+                        "SELECT offset, any(verdict) AS verdict FROM clickagg_pins \
+                         WHERE topic = ? AND partition = ? AND offset >= ? AND offset <= ? GROUP BY offset",
+                    )
+                    .bind(topic)
+                    .bind(partition as u32)
+                    .bind(from.max(0) as u64)
+                    .bind(to.max(0) as u64)
+                    .fetch_all::<R>(),
+            )
+            .await?;
+        Ok(rows.into_iter().filter_map(|r| Some((r.offset as i64, Pin::from_code(r.verdict)?))).collect())
+    }
+
     /// Writes one flush. Idempotent: the rows carry their batch ID and version.
-    pub async fn insert(&self, topic: &str, rows: &[BatchRow]) -> Result<(), SinkError> {
+    pub async fn insert(&self, topic: &str, rows: &[BatchRow], writer: Writer) -> Result<(), SinkError> {
         if rows.is_empty() {
             return Ok(());
         }
@@ -196,7 +263,7 @@ impl Sink {
                         partition: r.partition as u32,
                         batch_start: r.batch_start as u64,
                         clicks: r.clicks,
-                        version: r.version as u64,
+                        version: stored_version(r.version, writer),
                     })
                     .await?;
             }
@@ -206,30 +273,43 @@ impl Sink {
     }
 
     /// Records `batch_offsets` for `topic`, or checks it against the recorded value.
+    ///
+    /// Two members starting at once with different values must not both pass: each
+    /// writes its value first and then reads every registration back, and the earliest
+    /// one (ties broken by the smaller value) is the topic's; anyone else refuses.
     pub async fn register_batch_offsets(&self, topic: &str, batch_offsets: u64) -> Result<(), SinkError> {
-        let recorded: Vec<u64> = self
-            .timed(
+        #[derive(Row, Deserialize)]
+        struct R {
+            batch_offsets: u64,
+        }
+        let registered = || async {
+            self.timed(
                 self.client
-                    .query("SELECT DISTINCT batch_offsets FROM clickagg_topics WHERE topic = ?")
+                    .query(
+                        "SELECT batch_offsets FROM clickagg_topics WHERE topic = ? \
+                         ORDER BY registered_at, batch_offsets LIMIT 1",
+                    )
                     .bind(topic)
-                    .fetch_all::<u64>(),
+                    .fetch_all::<R>(),
             )
-            .await?;
-        match recorded.as_slice() {
-            [] => {
-                let sql = format!(
-                    "INSERT INTO clickagg_topics (topic, batch_offsets) VALUES ({}, {batch_offsets})",
-                    quote_literal(topic)
-                );
-                self.execute(&sql).await
-            }
-            [n] if *n == batch_offsets => Ok(()),
-            other => Err(SinkError::Fatal(format!(
-                "topic {topic:?} was aggregated into {}.{TABLE} with batch_offsets = {other:?}; \
+            .await
+        };
+        if registered().await?.is_empty() {
+            let sql = format!(
+                "INSERT INTO clickagg_topics (topic, batch_offsets) VALUES ({}, {batch_offsets})",
+                quote_literal(topic)
+            );
+            self.execute(&sql).await?;
+        }
+        match registered().await?.first() {
+            Some(r) if r.batch_offsets == batch_offsets => Ok(()),
+            Some(r) => Err(SinkError::Fatal(format!(
+                "topic {topic:?} is aggregated into {}.{TABLE} with batch_offsets = {}; \
                  refusing to use {batch_offsets}: batches cut with another size would overlap the stored ones. \
                  Set pipeline.batch_offsets to the recorded value, or write into a new database.",
-                self.database
+                self.database, r.batch_offsets
             ))),
+            None => Err(SinkError::Transient(format!("the registration of {topic:?} is not visible yet"))),
         }
     }
 

@@ -7,18 +7,26 @@
 //! the committed offset may be read again, which the owner-token dedup and the
 //! versioned rows make harmless.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::click::{decode, Click, Limits, Rejection};
 use crate::config::KafkaSettings;
+use crate::dedup::Secs;
+
+/// Consumer properties exactly-once depends on, set here and nowhere else: an override
+/// in `kafka.properties` is refused at start-up. `isolation.level` keeps aborted
+/// transactions out; the other two keep offsets moving only through our commits.
+pub const EXACTLY_ONCE_PROPERTIES: &[&str] =
+    &["isolation.level", "enable.auto.commit", "enable.auto.offset.store", "auto.commit.enable"];
 
 /// One consumed record, decoded. Only rejected records keep their raw bytes (for the
 /// dead-letter topic); valid ones keep just what the pipeline needs.
@@ -56,6 +64,22 @@ impl Record {
         });
         Record { partition: msg.partition(), offset: msg.offset(), timestamp_ms, outcome }
     }
+}
+
+/// Kafka errors that no retry can fix.
+pub fn is_fatal_kafka(code: Option<RDKafkaErrorCode>) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        Some(
+            C::Authentication
+                | C::SaslAuthenticationFailed
+                | C::TopicAuthorizationFailed
+                | C::GroupAuthorizationFailed
+                | C::ClusterAuthorizationFailed
+                | C::SSL
+        )
+    )
 }
 
 /// Settings common to every client: brokers, security and pass-through properties.
@@ -102,6 +126,7 @@ fn with_properties(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
 pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
     let mut c = client_config(k);
     c.set("group.id", &k.group)
+        .set("isolation.level", "read_committed")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
@@ -125,6 +150,7 @@ pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
 pub fn assigned_consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig {
     let mut c = client_config(k);
     c.set("group.id", group)
+        .set("isolation.level", "read_committed")
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("auto.offset.reset", "earliest")
@@ -209,6 +235,146 @@ pub fn offsets_for_time<C: Consumer>(
             (e.partition(), o)
         })
         .collect())
+}
+
+/// The first offset of every partition whose record timestamp is at least `ts_ms`
+/// (`None`: no such record), in one broker round trip.
+fn first_offsets_at<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    targets: &BTreeMap<i32, i64>,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, Option<i64>>, KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    for (&p, &ts_ms) in targets {
+        tpl.add_partition_offset(topic, p, Offset::Offset(ts_ms))?;
+    }
+    let found = consumer.offsets_for_times(tpl, timeout)?;
+    Ok(found
+        .elements()
+        .iter()
+        .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o).filter(|o| *o >= 0) } else { None }))
+        .collect())
+}
+
+/// For every partition and start offset `b`, the record clock just before `b`: the
+/// highest record timestamp (whole seconds) below `b` (`None`: no record below `b`).
+///
+/// The broker's time index answers "the first offset whose timestamp is at least t",
+/// so the clock is the largest second `s` whose answer lies below `b`: found by
+/// bisection, about 32 round trips for all partitions together, without reading a record.
+pub fn clocks_before<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    starts: &BTreeMap<i32, i64>,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, Option<Secs>>, KafkaError> {
+    let mut out = BTreeMap::new();
+    // Per partition (lo, hi): some record below b is stamped at lo s or later; none at hi.
+    let mut open: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
+    let at_zero = first_offsets_at(consumer, topic, &starts.keys().map(|&p| (p, 0)).collect(), timeout)?;
+    for (&p, &b) in starts {
+        match at_zero.get(&p).copied().flatten() {
+            Some(first) if first < b => {
+                open.insert(p, (0, u64::from(Secs::MAX) + 1));
+            }
+            _ => {
+                out.insert(p, None);
+            }
+        }
+    }
+    while !open.is_empty() {
+        let probes: BTreeMap<i32, u64> = open.iter().map(|(&p, &(lo, hi))| (p, lo + (hi - lo) / 2)).collect();
+        let targets = probes.iter().map(|(&p, &s)| (p, (s * 1000) as i64)).collect();
+        let found = first_offsets_at(consumer, topic, &targets, timeout)?;
+        for (p, mid) in probes {
+            let (lo, hi) = open[&p];
+            let below_b = found.get(&p).copied().flatten().is_some_and(|o| o < starts[&p]);
+            let (lo, hi) = if below_b { (mid, hi) } else { (lo, mid) };
+            if hi - lo <= 1 {
+                open.remove(&p);
+                out.insert(p, Some(lo as Secs));
+            } else {
+                open.insert(p, (lo, hi));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Where the reads that rebuild dedup state start: for a partition whose clock before
+/// `b` is `c`, the first offset stamped at or after `c − window`. Every record before it
+/// has a record time more than a window before any record from `b` on, and the clock
+/// read from it is exact (README, "What counts"). `b` itself when nothing is needed.
+pub fn lookback_starts<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    clocks: &BTreeMap<i32, (i64, Option<Secs>)>,
+    window: Secs,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, i64>, KafkaError> {
+    let targets: BTreeMap<i32, i64> = clocks
+        .iter()
+        .filter_map(|(&p, &(_, clock))| clock.map(|c| (p, i64::from(c.saturating_sub(window)) * 1000)))
+        .collect();
+    let found =
+        if targets.is_empty() { BTreeMap::new() } else { first_offsets_at(consumer, topic, &targets, timeout)? };
+    Ok(clocks.iter().map(|(&p, &(b, _))| (p, found.get(&p).copied().flatten().map_or(b, |l| l.min(b)))).collect())
+}
+
+/// Where each partition's reader counts from, and what it needs before that
+/// ([`Marks`](crate::position::Marks)): the batch boundary at or below the requested
+/// offset (`None`: the log start), the clock just before it and the lookback start.
+/// Blocking: several broker round trips.
+pub fn marks<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    n: crate::aggregate::BatchOffsets,
+    requested: &BTreeMap<i32, Option<i64>>,
+    window: Secs,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, crate::position::Marks>, KafkaError> {
+    let mut boundaries = BTreeMap::new();
+    for (&p, &o) in requested {
+        let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+        boundaries.insert(p, crate::position::boundary(n, low, high, o));
+    }
+    marks_at(consumer, topic, &boundaries, window, timeout)
+}
+
+/// [`marks`] for boundaries already chosen.
+pub fn marks_at<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    boundaries: &BTreeMap<i32, i64>,
+    window: Secs,
+    timeout: Duration,
+) -> Result<BTreeMap<i32, crate::position::Marks>, KafkaError> {
+    let clocks = clocks_before(consumer, topic, boundaries, timeout)?;
+    let with_clocks: BTreeMap<i32, (i64, Option<Secs>)> =
+        boundaries.iter().map(|(&p, &b)| (p, (b, clocks.get(&p).copied().flatten()))).collect();
+    let lookbacks = lookback_starts(consumer, topic, &with_clocks, window, timeout)?;
+    Ok(with_clocks
+        .into_iter()
+        .map(|(p, (boundary, clock_before))| {
+            (p, crate::position::Marks { boundary, clock_before, lookback: lookbacks[&p] })
+        })
+        .collect())
+}
+
+/// The topic's `cleanup.policy` as the broker reports it. Bounded in time: a broker
+/// that cannot be reached (or not trusted) leaves the admin request pending forever.
+pub async fn cleanup_policy(k: &KafkaSettings, topic: &str) -> Result<Option<String>, KafkaError> {
+    use rdkafka::admin::{ConfigResource, ResourceSpecifier};
+    let admin: AdminClient<DefaultClientContext> = client_config(k).create()?;
+    let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
+    let resource = ResourceSpecifier::Topic(topic);
+    let described = admin.describe_configs([&resource], &opts);
+    let results = tokio::time::timeout(Duration::from_secs(15), described)
+        .await
+        .map_err(|_| KafkaError::AdminOp(RDKafkaErrorCode::RequestTimedOut))??;
+    let resource: Option<ConfigResource> = results.into_iter().next().and_then(|r| r.ok());
+    Ok(resource.and_then(|r| r.get("cleanup.policy").and_then(|e| e.value.clone())))
 }
 
 /// A throwaway consumer for metadata and watermark look-ups.

@@ -20,7 +20,11 @@ pub const DUPLICATES_DROPPED: &str = "clickagg_duplicates_dropped_total";
 pub const REDELIVERIES: &str = "clickagg_redelivered_clicks_total";
 pub const INVALID_RECORDS: &str = "clickagg_invalid_records_total";
 pub const DEAD_LETTERS: &str = "clickagg_dead_letters_produced_total";
-pub const SKIPPED_PARTIAL_BATCH: &str = "clickagg_records_skipped_partial_batch_total";
+pub const WARMUP_RECORDS: &str = "clickagg_warmup_records_total";
+pub const CROSS_PARTITION_DUPLICATES: &str = "clickagg_cross_partition_duplicates_total";
+pub const RECORD_LAG: &str = "clickagg_record_lag_seconds";
+pub const DEDUP_REBUILDS: &str = "clickagg_dedup_rebuilds_total";
+pub const DEDUP_SWEPT: &str = "clickagg_dedup_entries_swept_total";
 pub const FLUSH_DURATION: &str = "clickagg_flush_duration_seconds";
 pub const FLUSHES: &str = "clickagg_flushes_total";
 pub const ROWS_FLUSHED: &str = "clickagg_rows_flushed_total";
@@ -64,7 +68,9 @@ pub fn register_zeroes() {
         DUPLICATES_DROPPED,
         REDELIVERIES,
         DEAD_LETTERS,
-        SKIPPED_PARTIAL_BATCH,
+        WARMUP_RECORDS,
+        CROSS_PARTITION_DUPLICATES,
+        DEDUP_SWEPT,
         FLUSHES,
         ROWS_FLUSHED,
         REDIS_ERRORS,
@@ -76,6 +82,9 @@ pub fn register_zeroes() {
     }
     for reason in crate::click::RejectReason::ALL {
         metrics::counter!(INVALID_RECORDS, "reason" => reason.as_str()).absolute(0);
+    }
+    for reason in ["undecidable", "lag"] {
+        metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
     metrics::gauge!(PAUSED).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);

@@ -45,12 +45,16 @@ async fn rejects(name: &str, reason: RejectReason, bad: impl Fn(i64) -> Vec<u8>)
         // The headers point at the very record, and the raw bytes are kept as they were.
         assert_eq!(source_payload(&env, partition, offset).await, dl.payload, "{reason} at {partition}/{offset}");
         // Its partition kept moving: the commit passes the poison record.
-        wait_until(&format!("partition {partition} commits past the {reason} record {offset}"), Duration::from_secs(30), || async {
-            match env.committed_offsets().await[&partition] {
-                c if c > offset => Ok(()),
-                c => Err(format!("committed {c}")),
-            }
-        })
+        wait_until(
+            &format!("partition {partition} commits past the {reason} record {offset}"),
+            Duration::from_secs(30),
+            || async {
+                match env.committed_offsets().await[&partition] {
+                    c if c > offset => Ok(()),
+                    c => Err(format!("committed {c}")),
+                }
+            },
+        )
         .await;
     }
     assert_eq!(member.metric("clickagg_invalid_records_total", &[&format!("reason=\"{reason}\"")]).await, 3.0);

@@ -157,7 +157,11 @@ async fn copies_on_other_partitions_are_deduplicated_live_and_on_a_replay_withou
     env.delete_dedup_keys().await;
     run_to_end(&env, "replay", &["replay", "--from", "earliest"], 0).await;
     let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-    assert!(d.is_exact(), "a replay without keys must honour the recorded cross-partition decisions:\n{}", d.report(20));
+    assert!(
+        d.is_exact(),
+        "a replay without keys must honour the recorded cross-partition decisions:\n{}",
+        d.report(20)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -299,3 +299,71 @@ async fn kafka_over_tls_with_a_private_ca_counts_exactly_and_an_untrusted_broker
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
+
+/// A member must refuse the setups under which exactly-once cannot hold, naming the
+/// setting to change, rather than count wrong.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsafe_setups_are_refused_with_the_setting_to_change() {
+    let stack = PrivateStack::start("unsafe", &["redis"]).await;
+    let env = TestEnv::with_stack("unsafe", &stack).await;
+    let (records, _) = env.plan(Spec { count: 100, seed: 48, ..Spec::default() });
+
+    // A compacted click topic: compaction deletes the originals retries are judged by.
+    let compacted = format!("{}-compacted", env.topic);
+    let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+        rdkafka::ClientConfig::new().set("bootstrap.servers", &env.brokers).create().unwrap();
+    let topic = rdkafka::admin::NewTopic::new(&compacted, 1, rdkafka::admin::TopicReplication::Fixed(1))
+        .set("cleanup.policy", "compact");
+    admin.create_topics([&topic], &rdkafka::admin::AdminOptions::new()).await.unwrap();
+    let mut m = env.spawn("compacted", &["run"], &[("CLICKAGG__KAFKA__TOPIC", compacted.as_str())]);
+    assert_eq!(m.wait(Duration::from_secs(60)).await, 1, "{}", m.output());
+    assert!(m.output().contains("cleanup.policy=compact"), "{}", m.output());
+
+    // An override of a consumer property exactly-once depends on.
+    let config = env.log_dir.join("override.toml");
+    std::fs::write(&config, "[kafka.properties]\n\"isolation.level\" = \"read_uncommitted\"\n").unwrap();
+    let config_arg = config.display().to_string();
+    let mut m = env.spawn("override", &["--config", &config_arg, "run"], &[]);
+    assert_eq!(m.wait(Duration::from_secs(60)).await, 2, "{}", m.output());
+    assert!(m.output().contains("kafka.properties.\"isolation.level\" must not be set"), "{}", m.output());
+
+    // A Redis that may evict dedup state.
+    let mut redis = env.redis().await;
+    let _: () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg("allkeys-lru")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    env.send(&records, 4, None).await;
+    let mut m = env.spawn_member("evicting");
+    assert_eq!(m.wait(Duration::from_secs(60)).await, 1, "{}", m.output());
+    assert!(m.output().contains("maxmemory-policy allkeys-lru"), "{}", m.output());
+}
+
+/// The batch size is part of every batch's identity: two members started at once with
+/// different sizes must not both write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn of_two_members_started_at_once_with_different_batch_sizes_only_one_runs() {
+    let env = TestEnv::new("batchrace").await;
+    let (records, _) = env.plan(Spec { count: 1_000, seed: 49, ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let a = env.spawn("a", &["run"], &[("CLICKAGG__PIPELINE__BATCH_OFFSETS", "1000")]);
+    let b = env.spawn("b", &["run"], &[("CLICKAGG__PIPELINE__BATCH_OFFSETS", "500")]);
+    // One of them refuses within a minute; the other runs until stopped.
+    let refused = wait_until("one member refuses the other batch size", Duration::from_secs(60), || async {
+        let (ao, bo) = (a.output(), b.output());
+        match (ao.contains("refusing to use"), bo.contains("refusing to use")) {
+            (true, false) => Ok("a"),
+            (false, true) => Ok("b"),
+            (true, true) => Err("both refused".into()),
+            (false, false) => Err("neither refused yet".into()),
+        }
+    })
+    .await;
+    let (mut loser, mut winner) = if refused == "a" { (a, b) } else { (b, a) };
+    assert_eq!(loser.wait(Duration::from_secs(30)).await, 1);
+    assert_eq!(winner.terminate(Duration::from_secs(30)).await, 0, "{}", winner.output());
+    assert!(!winner.output().contains("refusing to use"));
+}

@@ -10,6 +10,7 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
+use clickagg::sink::Writer;
 use clickhouse::Row;
 use serde::Deserialize;
 
@@ -307,7 +308,7 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
         clicks: 1_000,
         version: 5,
     };
-    env.sink().insert("another-topic", &[other]).await.unwrap();
+    env.sink().insert("another-topic", &[other], Writer::Member).await.unwrap();
     let mut with_other = truth.counts.clone();
     *with_other.entry(BucketKey { ad_id: popular[0], minute: other_minute }).or_default() += 1_000;
     assert_case(&env, &with_other, &cases[3]);
@@ -341,10 +342,12 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
                 clicks,
                 version,
             };
-            [row(r.clicks + 1_000, r.version as i64 - 1), row(r.clicks, r.version as i64)]
+            // Stored versions are twice the offset plus the writer's rank (`sink::stored_version`).
+            let offset = (r.version / 2) as i64;
+            [row(r.clicks + 1_000, offset - 1), row(r.clicks, offset)]
         })
         .collect();
-    sink.insert(&env.topic, &stale).await.unwrap();
+    sink.insert(&env.topic, &stale, Writer::Member).await.unwrap();
     let (raw, fin) = raw_and_final_sums(&env).await;
     assert!(raw > fin, "the stale rows are stored ({raw} without FINAL, {fin} with)");
     for case in &cases {
@@ -364,7 +367,7 @@ async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
     // Batch 0 flushed at offsets 5 and 9, then a zombie replays offset 7; batch 1000
     // holds 2 more clicks of the same minute. One insert each: one part each.
     for r in [row(0, 3, 5), row(0, 5, 9), row(0, 4, 7), row(1_000, 2, 1_500)] {
-        sink.insert(&env.topic, &[r]).await.unwrap();
+        sink.insert(&env.topic, &[r], Writer::Member).await.unwrap();
     }
     assert_eq!(raw_and_final_sums(&env).await, (14, 7));
 

@@ -111,7 +111,9 @@ impl TestEnv {
     pub async fn consumer_groups(&self, args: &[&str]) {
         let port = self.brokers.rsplit(':').next().expect("host:port").to_string();
         let mut cmd = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack"));
-        cmd.args(["consumer-groups", "--group", &self.group, "--topic", &self.topic]).args(args).env("KAFKA_PORT", port);
+        cmd.args(["consumer-groups", "--group", &self.group, "--topic", &self.topic])
+            .args(args)
+            .env("KAFKA_PORT", port);
         let out = blocking(move || cmd.output().expect("run kafka-consumer-groups")).await;
         assert!(
             out.status.success(),

@@ -56,8 +56,7 @@ impl Member {
         let mut child: Child = cmd.spawn().expect("spawn clickagg");
         let pid = child.id() as i32;
         let (progress, _) = watch::channel(Progress { open_streams: 2, ..Progress::default() });
-        let shared =
-            Arc::new(Shared { lines: Mutex::new(Vec::new()), progress, exited: Mutex::new(false) });
+        let shared = Arc::new(Shared { lines: Mutex::new(Vec::new()), progress, exited: Mutex::new(false) });
         let file = Arc::new(Mutex::new(std::fs::File::create(&log_path).expect("create member log")));
         let streams: [Box<dyn Read + Send>; 2] =
             [Box::new(child.stderr.take().expect("piped")), Box::new(child.stdout.take().expect("piped"))];

@@ -1,0 +1,397 @@
+//! The decision as pure functions, with no I/O: the partition's record clock, what the
+//! Redis function `claim` does to one cache entry ([`decide_shared`], the same logic as
+//! `claim.lua`), and the state a reader rebuilds from the log itself ([`PrivateScope`]).
+//! `model.rs` holds both to the definition in `mod.rs` with a property test.
+//!
+//! Every decision that does not come from a pin is the definition's per-partition rule:
+//! the cache keeps one chain of sightings per partition for each click, and only a
+//! first sighting whose per-partition verdict is "counts" is checked against the other
+//! partitions' chains — and if that turns it into a cross-partition duplicate, the
+//! verdict is pinned. So a reader that rebuilt one partition's state from the log alone,
+//! with the pins, decides exactly as the live member did.
+
+use std::collections::HashMap;
+
+/// Seconds since the epoch, in record time.
+pub type Secs = u32;
+
+/// A partition's record clock: the highest record timestamp (whole seconds) among the
+/// records read so far. The record time of a record is this clock once it is read, so
+/// it never goes backwards along a partition even when producers' clocks disagree.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PartitionClock(Option<Secs>);
+
+impl PartitionClock {
+    /// A clock that has seen records up to `secs` (`None`: nothing before).
+    pub fn at(secs: Option<Secs>) -> PartitionClock {
+        PartitionClock(secs)
+    }
+
+    /// Advances past one record and returns its record time. Records without a
+    /// timestamp (or with one outside 1970..2106) leave the clock where it is.
+    pub fn tick(&mut self, record_ts_ms: Option<i64>) -> Secs {
+        if let Some(secs) = record_ts_ms.and_then(secs_of_millis) {
+            self.0 = Some(self.0.map_or(secs, |c| c.max(secs)));
+        }
+        self.now()
+    }
+
+    /// The record time reached (0 before any timestamped record).
+    pub fn now(&self) -> Secs {
+        self.0.unwrap_or(0)
+    }
+
+    pub fn get(&self) -> Option<Secs> {
+        self.0
+    }
+}
+
+/// Whole seconds of a Kafka timestamp, if it is one (librdkafka reports "none" as -1).
+pub fn secs_of_millis(ms: i64) -> Option<Secs> {
+    (ms >= 0).then(|| Secs::try_from(ms / 1000).unwrap_or(Secs::MAX))
+}
+
+/// What one sighting of a click ID comes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// No earlier sighting of the ID in this partition within the window: counts.
+    First,
+    /// The cache names this very record as the one that counted: a re-read; counts.
+    Own,
+    /// An earlier sighting in this partition lies within the window: does not count.
+    Duplicate,
+    /// First in its partition, but a copy on another partition counted within the window
+    /// of it: does not count. Which copy wins depends on the order the partitions were
+    /// read in, so the decision is pinned in ClickHouse and every re-read applies it.
+    CrossDuplicate,
+    /// A re-read the cache cannot decide (it lost the entry, or it is more than a window
+    /// ahead of this reader): the partition is decided from a rebuild of the log instead.
+    Undecidable,
+}
+
+impl Verdict {
+    pub fn counts(self) -> bool {
+        matches!(self, Verdict::First | Verdict::Own)
+    }
+
+    /// The pin a live member records for this verdict, if any.
+    pub fn pin(self) -> Option<Pin> {
+        (self == Verdict::CrossDuplicate).then_some(Pin::CrossDuplicate)
+    }
+
+    /// The byte `claim.lua` answers with.
+    pub fn from_code(code: u8) -> Option<Verdict> {
+        Some(match code {
+            b'F' => Verdict::First,
+            b'O' => Verdict::Own,
+            b'D' => Verdict::Duplicate,
+            b'X' => Verdict::CrossDuplicate,
+            b'U' => Verdict::Undecidable,
+            _ => return None,
+        })
+    }
+}
+
+/// A cross-partition decision recorded durably (table `clickagg_pins`), so that every
+/// re-read makes it again whatever order it reads the partitions in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Pin {
+    CrossDuplicate = 1,
+}
+
+impl Pin {
+    pub fn from_code(code: u8) -> Option<Pin> {
+        (code == 1).then_some(Pin::CrossDuplicate)
+    }
+
+    pub fn verdict(self) -> Verdict {
+        Verdict::CrossDuplicate
+    }
+}
+
+/// What the cache knows of one click ID in one partition: the chain of sightings that
+/// are each within the window of the one before, which started at offset `first` and
+/// last saw the click at record time `last_seen`; `counted` when `first` counted (it
+/// was not a copy of a click counted on another partition). A cache entry holds one
+/// chain per partition that sighted the click (usually one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Chain {
+    pub partition: i32,
+    pub first: i64,
+    pub counted: bool,
+    pub last_seen: Secs,
+}
+
+/// One sighting of a click ID: where it is and its record time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sighting {
+    pub partition: i32,
+    pub offset: i64,
+    pub clock: Secs,
+}
+
+/// What the cache knows of a partition's reads: the highest offset claimed, and the
+/// first offset from which its entries are exact for re-reads. After a warm-up that
+/// rebuilt lost state from the lookback, the entries are exact only from the boundary
+/// that warm-up counted from: they may lack sightings before the lookback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Frontier {
+    pub claimed: i64,
+    pub exact_from: i64,
+}
+
+/// How a claim is made.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ClaimMode {
+    /// The decision recorded at the first read of this sighting, applied as it was.
+    pub pin: Option<Pin>,
+    /// A warm-up sighting (not counted now). It was decided within its partition at its
+    /// first read unless pinned, so no cross-partition check is made for it.
+    pub warm: bool,
+}
+
+/// What `claim.lua` does with one sighting: the verdict, after updating `entry` (the
+/// chains of the click). A sighting at or below the partition's frontier is a re-read,
+/// which never changes the entry. (`claim.lua` also keeps new cross-partition verdicts
+/// until their pins are durable, and moves the frontier.)
+pub fn decide_shared(
+    entry: &mut Vec<Chain>,
+    s: Sighting,
+    frontier: Option<Frontier>,
+    mode: ClaimMode,
+    window: Secs,
+) -> Verdict {
+    let reread = frontier.is_some_and(|f| s.offset <= f.claimed);
+    let mine = entry.iter().position(|c| c.partition == s.partition);
+    if reread {
+        if frontier.is_some_and(|f| s.offset < f.exact_from) {
+            return Verdict::Undecidable;
+        }
+        let Some(chain) = mine.map(|i| entry[i]) else { return Verdict::Undecidable };
+        return match mode.pin {
+            Some(pin) => pin.verdict(),
+            None if s.offset == chain.first && chain.counted => Verdict::Own,
+            // A later sighting of the chain: it did not count.
+            None if s.offset > chain.first => Verdict::Duplicate,
+            // The chain's uncounted start without its pin, or a sighting from before the
+            // chain (more than a window before it): the cache cannot say.
+            None => Verdict::Undecidable,
+        };
+    }
+    if let Some(i) = mine {
+        let chain = &mut entry[i];
+        if s.clock.saturating_sub(chain.last_seen) <= window {
+            chain.last_seen = chain.last_seen.max(s.clock);
+            return mode.pin.map_or(Verdict::Duplicate, Pin::verdict);
+        }
+    }
+    let cross = match mode.pin {
+        Some(_) => true,
+        None if mode.warm => false,
+        None => {
+            entry.iter().any(|c| c.partition != s.partition && c.counted && s.clock.abs_diff(c.last_seen) <= window)
+        }
+    };
+    let chain = Chain { partition: s.partition, first: s.offset, counted: !cross, last_seen: s.clock };
+    match mine {
+        Some(i) => entry[i] = chain,
+        None => entry.push(chain),
+    }
+    if cross {
+        Verdict::CrossDuplicate
+    } else {
+        Verdict::First
+    }
+}
+
+/// The dedup state a reader rebuilt from the log (replay, reconcile, a member that
+/// cannot trust the cache): per partition, the record time of each click ID's latest
+/// sighting. Cross-partition decisions come from the recorded pins, never from order.
+#[derive(Debug)]
+pub struct PrivateScope {
+    window: Secs,
+    partitions: HashMap<i32, PartitionSightings>,
+}
+
+#[derive(Debug, Default)]
+struct PartitionSightings {
+    last_seen: HashMap<u128, Secs>,
+    /// The clock at the last collection of sightings older than the window.
+    collected_at: Secs,
+}
+
+impl PrivateScope {
+    pub fn new(window: Secs) -> PrivateScope {
+        PrivateScope { window, partitions: HashMap::new() }
+    }
+
+    /// Decides one sighting of `fingerprint` in `partition` at record time `clock`;
+    /// `pin` is the recorded cross-partition decision for it, if any. Warm-up reads use
+    /// the same call and ignore the verdict.
+    pub fn sight(&mut self, partition: i32, fingerprint: u128, clock: Secs, pin: Option<Pin>) -> Verdict {
+        let window = self.window;
+        let state = self.partitions.entry(partition).or_default();
+        if clock.saturating_sub(state.collected_at) > window {
+            // Sightings older than a window can never matter again: the clock only grows.
+            state.last_seen.retain(|_, seen| clock.saturating_sub(*seen) <= window);
+            state.collected_at = clock;
+        }
+        let previous = state.last_seen.insert(fingerprint, clock);
+        if let Some(pin) = pin {
+            return pin.verdict();
+        }
+        match previous {
+            Some(seen) if clock.saturating_sub(seen) <= window => Verdict::Duplicate,
+            _ => Verdict::First,
+        }
+    }
+
+    /// Forgets a partition (its reader starts over).
+    pub fn forget(&mut self, partition: i32) {
+        self.partitions.remove(&partition);
+    }
+
+    /// Sightings held, for metrics and tests.
+    pub fn len(&self) -> usize {
+        self.partitions.values().map(|p| p.last_seen.len()).sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// The definition itself, applied to a whole partition log (no cache, no pins): which
+/// offsets count. A record is `(offset, record timestamp ms, Some(click fingerprint))`
+/// for a valid click or `None` for a rejected one. Used as the reference in tests.
+pub fn counted_offsets(log: &[(i64, Option<i64>, Option<u128>)], window: Secs) -> Vec<i64> {
+    let mut clock = PartitionClock::default();
+    let mut scope = PrivateScope::new(window);
+    let mut out = Vec::new();
+    for &(offset, ts, click) in log {
+        let now = clock.tick(ts);
+        if let Some(fp) = click {
+            if scope.sight(0, fp, now, None).counts() {
+                out.push(offset);
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const W: Secs = 60;
+
+    fn at(partition: i32, offset: i64, clock: Secs) -> Sighting {
+        Sighting { partition, offset, clock }
+    }
+
+    fn chain(partition: i32, first: i64, counted: bool, last_seen: Secs) -> Chain {
+        Chain { partition, first, counted, last_seen }
+    }
+
+    fn live() -> ClaimMode {
+        ClaimMode::default()
+    }
+
+    fn upto(claimed: i64) -> Option<Frontier> {
+        Some(Frontier { claimed, exact_from: 0 })
+    }
+
+    #[test]
+    fn the_clock_keeps_the_highest_timestamp_and_ignores_records_without_one() {
+        let mut c = PartitionClock::default();
+        assert_eq!(c.tick(Some(5_999)), 5);
+        assert_eq!(c.tick(Some(3_000)), 5, "a record stamped earlier does not move the clock back");
+        assert_eq!(c.tick(None), 5);
+        assert_eq!(c.tick(Some(-1)), 5);
+        assert_eq!(c.tick(Some(9_000)), 9);
+    }
+
+    #[test]
+    fn a_sighting_within_the_window_of_the_latest_one_is_a_duplicate_even_if_that_one_did_not_count() {
+        // 0 counts; 50 is 50 s after it; 100 is 50 s after the sighting at 50, which
+        // did not count either: a click seen again and again within the window never
+        // counts twice. 200 comes 100 s after the last sighting: a new click.
+        let fp = Some(7u128);
+        let log = [(0, Some(0), fp), (1, Some(50_000), fp), (2, Some(100_000), fp), (3, Some(200_000), fp)];
+        assert_eq!(counted_offsets(&log, W), vec![0, 3]);
+    }
+
+    #[test]
+    fn the_window_is_inclusive_and_measured_on_the_partition_clock() {
+        let fp = Some(1u128);
+        assert_eq!(counted_offsets(&[(0, Some(0), fp), (1, Some(60_000), fp)], W), vec![0]);
+        assert_eq!(counted_offsets(&[(0, Some(0), fp), (1, Some(61_000), fp)], W), vec![0, 1]);
+        // A record stamped far in the past is judged at the partition's clock (120 s),
+        // not at its own timestamp: the sighting at 0 is more than a window behind it.
+        let log = [(0, Some(0), fp), (1, Some(120_000), None), (2, Some(1_000), fp)];
+        assert_eq!(counted_offsets(&log, W), vec![0, 2]);
+    }
+
+    #[test]
+    fn fresh_sightings_follow_the_sliding_window_of_their_partition() {
+        let mut e = vec![chain(0, 10, true, 100)];
+        assert_eq!(decide_shared(&mut e, at(0, 30, 150), upto(20), live(), W), Verdict::Duplicate);
+        assert_eq!(e, vec![chain(0, 10, true, 150)], "the window slides with every sighting");
+        assert_eq!(decide_shared(&mut e, at(0, 31, 211), upto(30), live(), W), Verdict::First);
+        assert_eq!(e, vec![chain(0, 31, true, 211)], "a new chain");
+        let mut none = Vec::new();
+        assert_eq!(decide_shared(&mut none, at(0, 0, 0), None, live(), W), Verdict::First, "nothing read yet");
+    }
+
+    #[test]
+    fn the_owner_read_again_counts_and_a_later_sighting_read_again_does_not() {
+        let mut e = vec![chain(0, 10, true, 100)];
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), upto(20), live(), W), Verdict::Own);
+        assert_eq!(decide_shared(&mut e, at(0, 15, 120), upto(20), live(), W), Verdict::Duplicate);
+        // Before the chain: a window separates it from the chain, and nothing more is known.
+        assert_eq!(decide_shared(&mut e, at(0, 5, 30), upto(20), live(), W), Verdict::Undecidable);
+        // A re-read that finds no chain cannot tell a lost entry from a click never seen.
+        assert_eq!(decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), W), Verdict::Undecidable);
+        assert_eq!(e, vec![chain(0, 10, true, 100)], "re-reads change nothing");
+        // Below where a rebuilt cache is exact from: it may lack sightings before.
+        let rebuilt = Some(Frontier { claimed: 20, exact_from: 12 });
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), rebuilt, live(), W), Verdict::Undecidable);
+    }
+
+    #[test]
+    fn a_copy_on_another_partition_is_a_duplicate_only_within_the_window_of_a_counted_chain() {
+        let mut e = vec![chain(1, 4, true, 1_000)];
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), W), Verdict::CrossDuplicate);
+        assert_eq!(e[1], chain(0, 7, false, 1_040), "its own partition's chain starts, uncounted");
+        assert_eq!(decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), W), Verdict::Duplicate, "within its chain");
+        let mut far = vec![chain(1, 4, true, 1_000)];
+        assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), W), Verdict::First);
+        let mut uncounted = vec![chain(1, 4, false, 1_000)];
+        assert_eq!(decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), W), Verdict::First, "a copy of a copy");
+        let mut warm = vec![chain(1, 4, true, 1_000)];
+        let warm_mode = ClaimMode { warm: true, pin: None };
+        assert_eq!(decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, W), Verdict::First, "no cross check");
+    }
+
+    #[test]
+    fn a_recorded_pin_is_applied_with_its_effect_and_read_again_without() {
+        let pinned = ClaimMode { pin: Some(Pin::CrossDuplicate), warm: false };
+        let mut e = Vec::new();
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, W), Verdict::CrossDuplicate);
+        assert_eq!(e, vec![chain(0, 7, false, 1_040)]);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), pinned, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), W), Verdict::Undecidable, "pin lost");
+    }
+
+    #[test]
+    fn a_private_scope_follows_pins_and_forgets_what_is_out_of_the_window() {
+        let mut s = PrivateScope::new(W);
+        assert_eq!(s.sight(0, 1, 0, None), Verdict::First);
+        assert_eq!(s.sight(0, 1, 30, None), Verdict::Duplicate);
+        assert_eq!(s.sight(1, 1, 30, None), Verdict::First, "partitions are separate without a pin");
+        assert_eq!(s.sight(2, 1, 30, Some(Pin::CrossDuplicate)), Verdict::CrossDuplicate);
+        assert_eq!(s.sight(2, 1, 40, None), Verdict::Duplicate, "a pinned sighting is still a sighting");
+        assert_eq!(s.sight(0, 2, 200, None), Verdict::First);
+        assert_eq!(s.len(), 3, "partition 0 dropped click 1, last seen 170 s ago");
+    }
+}

@@ -1,0 +1,53 @@
+//! Dedup: which valid clicks count.
+//!
+//! # The definition
+//!
+//! Every decision is a function of the log (DESIGN.md §7), so any re-read — a restart,
+//! a rebalance, a group reset to any offset, a backfill a month later — makes it again:
+//!
+//! - The **record time** of a record is its partition's clock: the highest Kafka record
+//!   timestamp (whole seconds) among the records of the partition up to and including
+//!   it. It never goes back, even when producers' clocks disagree.
+//! - Within a partition, a valid click **counts** unless an earlier valid click of that
+//!   partition with the same click ID has a record time within the window `W`
+//!   (`dedup.window`) before it: `τ(o) − τ(o') ≤ W`. Every sighting extends the window,
+//!   counted or not, so a click retried again and again within `W` counts once; a repeat
+//!   after a quiet gap longer than `W` counts as a new click.
+//! - A **copy on another partition** (producers that do not key by click ID) is a
+//!   duplicate when a copy of it counted on another partition within `W` of it, as the
+//!   live member sees them. Which copy counts then depends on the order partitions are
+//!   read in, which the log does not fix, so the live member records that decision
+//!   durably (`clickagg_pins`, written by the same flush as the counts it changes) and
+//!   every re-read honours it.
+//!
+//! # Who holds the state
+//!
+//! The definition needs, per partition, the sightings of the last `W` of record time.
+//! - **The shared cache** ([`shared`], Redis) is a cache of that state, kept by live
+//!   members. Its entries are deleted `W + dedup.max_record_lag` after their last
+//!   sighting: garbage collection, never a decision. A member trusts it only while its
+//!   partition lags the wall clock by less than `max_record_lag`; a re-read at or below
+//!   the cache's frontier is decided from what the cache knows (the owner token tells a
+//!   re-read of the counting record from a duplicate), and one it cannot decide comes
+//!   back [`Verdict::Undecidable`].
+//! - **A private scope** ([`PrivateScope`]) is state a reader rebuilt from the log by
+//!   reading the `W` of record time before its first batch without counting. Replays and
+//!   reconcile always use one (nothing of theirs touches Redis); a member falls back to
+//!   one when the cache cannot decide or its partition lags too far.
+//!
+//! A member whose cache lacks the sightings before its start (a new deployment, a lost
+//! Redis, offsets moved forward) first replays that stretch of the log into the cache
+//! without counting (a warm-up); see `pipeline`.
+
+pub mod decide;
+pub mod fingerprint;
+pub mod shared;
+
+#[cfg(test)]
+mod model;
+
+pub use decide::{
+    decide_shared, Chain, ClaimMode, Frontier, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict,
+};
+pub use fingerprint::{Fingerprint, Fingerprinter};
+pub use shared::{Claim, DedupError, SharedCache};
