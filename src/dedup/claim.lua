@@ -60,7 +60,47 @@ end
 --   D an earlier sighting in its partition within the window
 --   X a copy of a click counted on another partition within the window (does not count)
 --   U a re-read the cache cannot decide (the reader rebuilds its state from the log)
+-- Any entry: several partitions' chains, or none (a re-read, or a pinned sighting).
+local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, window, xkey)
+  local chains = chains_of(v)
+  local mine = nil
+  for j, c in ipairs(chains) do
+    if c.p == p then mine = j end
+  end
+  if reread then
+    local c = mine and chains[mine]
+    if o < exact or not c then return 'U'
+    elseif pinned then return 'X'
+    elseif o == c.first and c.counted then return 'O'
+    elseif o > c.first then return 'D'
+    else return 'U' end
+  end
+  if mine and clock - chains[mine].seen <= window then
+    local c = chains[mine]
+    if clock > c.seen then
+      c.seen = clock
+      redis.call('HSET', key, field, pack(chains))
+    end
+    if pinned then return 'X' else return 'D' end
+  end
+  local cross = pinned
+  if not pinned and not warm then
+    for _, c in ipairs(chains) do
+      local gap = clock - c.seen
+      if gap < 0 then gap = -gap end
+      if c.p ~= p and c.counted and gap <= window then cross = true end
+    end
+  end
+  local c = {p = p, counted = not cross, first = o, seen = clock}
+  if mine then chains[mine] = c else chains[#chains + 1] = c end
+  redis.call('HSET', key, field, pack(chains))
+  if not cross then return 'F' end
+  if not pinned then redis.call('ZADD', xkey, o, o * 4 + 1) end
+  return 'X'
+end
+
 local function claim(keys, args)
+  local call, unpack_, pack_ = redis.call, struct.unpack, struct.pack
   local window = tonumber(args[1])
   local blob = args[2]
   local fkey = keys[1]
@@ -75,57 +115,50 @@ local function claim(keys, args)
   local touched = {}    -- partition -> record time at its new frontier
   local out = {}
   for i = 0, #blob / CLAIM_SIZE - 1 do
-    local ki, field, p, o, clock, mode = struct.unpack(CLAIM, blob, i * CLAIM_SIZE + 1)
+    local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
     local pinned = mode % 2 == 1
     local warm = mode >= 2
     local f = frontier[p]
     if f == nil then
-      local v = redis.call('HGET', fkey, p)
+      local v = call('HGET', fkey, p)
       if v then
         local _
-        f, _, exact[p] = struct.unpack(FRONTIER, v)
+        f, _, exact[p] = unpack_(FRONTIER, v)
       else
         f, exact[p] = -1, 0
       end
     end
     local key = keys[ki]
-    local chains = chains_of(redis.call('HGET', key, field))
-    local mine = nil
-    for j, c in ipairs(chains) do
-      if c.p == p then mine = j end
-    end
+    local reread = o <= f
     local verdict
-    if o <= f then
-      local c = mine and chains[mine]
-      if o < exact[p] or not c then verdict = 'U'
-      elseif pinned then verdict = 'X'
-      elseif o == c.first and c.counted then verdict = 'O'
-      elseif o > c.first then verdict = 'D'
-      else verdict = 'U' end
-    elseif mine and clock - chains[mine].seen <= window then
-      local c = chains[mine]
-      if clock > c.seen then
-        c.seen = clock
-        redis.call('HSET', key, field, pack(chains))
-      end
-      if pinned then verdict = 'X' else verdict = 'D' end
+    -- The common case first, in one scan of the hash: a click nobody has sighted.
+    if not reread and not pinned and call('HSETNX', key, field, pack_(CHAIN, p + COUNTED, o, clock)) == 1 then
+      verdict = 'F'
     else
-      local cross = pinned
-      if not pinned and not warm then
-        for _, c in ipairs(chains) do
-          local gap = clock - c.seen
-          if gap < 0 then gap = -gap end
-          if c.p ~= p and c.counted and gap <= window then cross = true end
+      local v = call('HGET', key, field)
+      local single = v and #v == CHAIN_SIZE
+      local pc, first, seen
+      if single then pc, first, seen = unpack_(CHAIN, v) end
+      if single and pc % COUNTED == p then
+        -- The other common case: the click sighted in this partition only.
+        if reread then
+          if o < exact[p] then verdict = 'U'
+          elseif pinned then verdict = 'X'
+          elseif o == first and pc >= COUNTED then verdict = 'O'
+          elseif o > first then verdict = 'D'
+          else verdict = 'U' end
+        elseif clock - seen <= window then
+          if clock > seen then call('HSET', key, field, pack_(CHAIN, pc, first, clock)) end
+          if pinned then verdict = 'X' else verdict = 'D' end
+        elseif pinned then
+          call('HSET', key, field, pack_(CHAIN, p, o, clock))
+          verdict = 'X'
+        else
+          call('HSET', key, field, pack_(CHAIN, p + COUNTED, o, clock))
+          verdict = 'F'
         end
-      end
-      local c = {p = p, counted = not cross, first = o, seen = clock}
-      if mine then chains[mine] = c else chains[#chains + 1] = c end
-      redis.call('HSET', key, field, pack(chains))
-      if cross then
-        verdict = 'X'
-        if not pinned then redis.call('ZADD', xkeys[p], o, o * 4 + 1) end
       else
-        verdict = 'F'
+        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, warm, window, xkeys[p])
       end
     end
     out[i + 1] = verdict
@@ -137,24 +170,9 @@ local function claim(keys, args)
     end
   end
   for p, clock in pairs(touched) do
-    redis.call('HSET', fkey, p, struct.pack(FRONTIER, frontier[p], clock, exact[p]))
+    call('HSET', fkey, p, pack_(FRONTIER, frontier[p], clock, exact[p]))
   end
   return table.concat(out)
-end
-
--- KEYS[1] = a group's frontier hash; ARGV = partition, lookback, boundary. Before a
--- warm-up that rebuilds a partition's lost state from its lookback: unless the frontier
--- is already past it, what lies before the lookback is unknown, so re-reads are exact
--- only from the boundary the warm-up counts from.
-local function restart(keys, args)
-  local p, lookback, boundary = args[1], tonumber(args[2]), tonumber(args[3])
-  local v = redis.call('HGET', keys[1], p)
-  if v then
-    local f = struct.unpack(FRONTIER, v)
-    if f >= lookback - 1 then return 0 end
-  end
-  redis.call('HSET', keys[1], p, struct.pack(FRONTIER, lookback - 1, 0, boundary))
-  return 1
 end
 
 -- KEYS = shard hashes of one group; ARGV[1] = cutoff (s). Drops the chains last seen
@@ -184,6 +202,21 @@ local function sweep(keys, args)
     if #gone > 0 then redis.call('HDEL', key, unpack(gone)) end
   end
   return removed
+end
+
+-- KEYS[1] = a group's frontier hash; ARGV = partition, lookback, boundary. Before a
+-- warm-up that rebuilds a partition's lost state from its lookback: unless the frontier
+-- is already past it, what lies before the lookback is unknown, so re-reads are exact
+-- only from the boundary the warm-up counts from.
+local function restart(keys, args)
+  local p, lookback, boundary = args[1], tonumber(args[2]), tonumber(args[3])
+  local v = redis.call('HGET', keys[1], p)
+  if v then
+    local f = struct.unpack(FRONTIER, v)
+    if f >= lookback - 1 then return 0 end
+  end
+  redis.call('HSET', keys[1], p, struct.pack(FRONTIER, lookback - 1, 0, boundary))
+  return 1
 end
 
 redis.register_function('clickagg_claim_v1', claim)

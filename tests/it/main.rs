@@ -5,6 +5,7 @@
 mod backfill;
 mod dead_letters;
 mod decisions;
+mod dedup_cache;
 mod deploy;
 mod exactly_once;
 mod faults;
