@@ -3,13 +3,14 @@
 -- UTC) in that range. Read through FINAL like sql/billing.sql; see there why that is
 -- exact.
 --
--- Parameters: those of sql/billing.sql (from, to, by, all_ads, ads, topic; the ads
--- filter narrows the candidates), and
+-- Parameters: those of sql/billing.sql (table, time, from, to, by, all_ads, ads, topic;
+-- the ads filter narrows the candidates), and
 --   top       how many ads, e.g. 10
 --
 -- Run it with a current clickhouse-client:
 --
 --   clickhouse-client --database clickagg \
+--     --param_table=ad_clicks_day --param_time=day \
 --     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
 --     --param_by=day --param_all_ads=1 --param_ads='[]' --param_topic='' --param_top=10 \
 --     < sql/billing_top.sql
@@ -19,19 +20,19 @@
 SELECT
     ad_id,
     toUInt32(multiIf(
-        {by:String} = 'day', toStartOfDay(minute),
-        {by:String} = 'hour', toStartOfHour(minute),
-        minute)) AS bucket,
+        {by:String} = 'day', toStartOfDay({time:Identifier}),
+        {by:String} = 'hour', toStartOfHour({time:Identifier}),
+        {time:Identifier})) AS bucket,
     sum(clicks) AS clicks
-FROM ad_clicks_minute FINAL
-WHERE minute >= {from:DateTime('UTC')}
-  AND minute < {to:DateTime('UTC')}
+FROM {table:Identifier} FINAL
+WHERE {time:Identifier} >= {from:DateTime('UTC')}
+  AND {time:Identifier} < {to:DateTime('UTC')}
   AND ({topic:String} = '' OR topic = {topic:String})
   AND ad_id IN (
       SELECT ad_id
-      FROM ad_clicks_minute FINAL
-      WHERE minute >= {from:DateTime('UTC')}
-        AND minute < {to:DateTime('UTC')}
+      FROM {table:Identifier} FINAL
+      WHERE {time:Identifier} >= {from:DateTime('UTC')}
+        AND {time:Identifier} < {to:DateTime('UTC')}
         AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
         AND ({topic:String} = '' OR topic = {topic:String})
       GROUP BY ad_id

@@ -33,6 +33,7 @@ pub mod commands;
 pub mod config;
 pub mod dead_letter;
 pub mod dedup;
+pub mod flusher;
 pub mod health;
 pub mod member;
 pub mod pipeline;

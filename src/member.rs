@@ -1,20 +1,25 @@
 //! One consumer-group member (`clickagg run`): the loop that drives [`Stages`].
 //!
-//! One loop (`select!` over shutdown, a fatal signal, the flush ticker and the next
-//! poll batch) drives the stages. Rebalance callbacks from librdkafka run *inside* the
-//! loop's poll of the consumer, on the same task, so they reach the same `Stages`
-//! through a mutex that is never contended: on revoke they flush the partitions and
-//! commit before librdkafka lets the partitions go (DESIGN.md §3: flush, then commit,
-//! then release); on assign they plan where each partition starts (the batch boundary
-//! at or below its committed offset, after a warm-up if the dedup cache needs one,
-//! `position`) and hand librdkafka those offsets, whatever an operator reset the
-//! group to.
+//! One loop (`select!` over shutdown, a fatal signal, the next batch of verdicts, the
+//! flush ticker and the next poll batch) drives the stages, with two helpers running
+//! beside it: the `Claimer`, which applies each poll batch's claims in Redis in order
+//! while the loop decodes the next batch, and the `Flusher`, which makes the cut flushes
+//! durable and then commits (the one owner of commits).
+//!
+//! Rebalance callbacks from librdkafka run *inside* the loop's poll of the consumer, on
+//! the same task, so they reach the same `Stages` through a mutex that is never
+//! contended. On revoke they cut the partitions' state, hand it to the flusher and wait
+//! until it is durable and committed before librdkafka lets the partitions go
+//! (DESIGN.md §3: flush, then commit, then release). On assign they plan where each
+//! partition starts (the batch boundary at or below its committed offset, after a
+//! warm-up if the dedup cache needs one, `position`) and hand librdkafka those offsets,
+//! whatever an operator reset the group to.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
-use futures_util::{FutureExt, StreamExt};
+use futures_util::StreamExt;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer};
 use rdkafka::error::{KafkaError, KafkaResult};
@@ -28,11 +33,12 @@ use tracing::{error, info, warn};
 
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::Pin;
+use crate::dedup::{Claimer, Pin, Verdicts};
+use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{sleep_or_shutdown, Backoff, Exit, Interrupted, PipelineError, Stages, StagesConfig};
+use crate::pipeline::{sleep_or_shutdown, Backoff, Exit, FatalSignal, PipelineError, Prepared, Stages, StagesConfig};
 use crate::position::Start;
-use crate::sink::Sink;
+use crate::sink::{Sink, Writer};
 use crate::source::{self, Record};
 use crate::telemetry::{self as t, RateLimiter};
 
@@ -40,6 +46,7 @@ use crate::telemetry::{self as t, RateLimiter};
 /// callbacks into the pipeline.
 pub struct GroupContext {
     stages: Arc<Mutex<Stages>>,
+    flusher: Arc<Flusher>,
     topic: String,
     runtime: Handle,
     /// Set when librdkafka reports an error retrying cannot fix (bad credentials): the
@@ -48,37 +55,15 @@ pub struct GroupContext {
     /// Ends the retries of an assignment whose start cannot be planned yet.
     shutdown: CancellationToken,
     max_backoff: Duration,
-}
-
-/// A fatal condition reported from a librdkafka callback thread to the loop.
-#[derive(Clone, Default)]
-pub struct FatalSignal {
-    token: CancellationToken,
-    message: Arc<std::sync::Mutex<Option<String>>>,
-}
-
-impl FatalSignal {
-    pub fn raise(&self, message: String) {
-        self.message.lock().expect("not poisoned").get_or_insert(message);
-        self.token.cancel();
-    }
-
-    pub async fn raised(&self) -> String {
-        self.token.cancelled().await;
-        self.message.lock().expect("not poisoned").clone().unwrap_or_default()
-    }
+    /// How long a revoke may wait for its flush and commit.
+    drain_timeout: Duration,
 }
 
 impl GroupContext {
-    fn with_stages<R>(&self, f: impl AsyncFnOnce(&mut Stages) -> R) -> R {
-        // Callbacks run inside the loop's poll of the consumer, when the loop holds no
-        // lock; flushing needs async I/O, so block this worker thread on it.
-        tokio::task::block_in_place(|| {
-            self.runtime.block_on(async {
-                let mut stages = self.stages.lock().await;
-                f(&mut stages).await
-            })
-        })
+    /// Runs `f` on this worker thread: callbacks run inside the loop's poll of the
+    /// consumer, and flushing or planning needs async I/O.
+    fn block_on<R>(&self, f: impl std::future::Future<Output = R>) -> R {
+        tokio::task::block_in_place(|| self.runtime.block_on(f))
     }
 
     fn partitions_of(&self, tpl: &TopicPartitionList) -> Vec<i32> {
@@ -92,7 +77,8 @@ impl GroupContext {
     fn plan(&self, consumer: &BaseConsumer<Self>, partitions: &[i32]) -> Option<Vec<(Start, BTreeMap<i64, Pin>)>> {
         let mut backoff = Backoff::new(self.max_backoff);
         loop {
-            let planned = self.with_stages(async |s| s.plan_shared_starts(consumer, partitions).await);
+            let planned =
+                self.block_on(async { self.stages.lock().await.plan_shared_starts(consumer, partitions).await });
             match planned {
                 Ok(starts) => return Some(starts),
                 Err(e) if e.is_fatal() => {
@@ -101,11 +87,7 @@ impl GroupContext {
                 }
                 Err(e) => {
                     warn!(error = %e, ?partitions, "cannot plan where the assigned partitions start yet; retrying");
-                    let delay = backoff.next_delay();
-                    let stopped = tokio::task::block_in_place(|| {
-                        self.runtime.block_on(sleep_or_shutdown(delay, &self.shutdown)).is_err()
-                    });
-                    if stopped {
+                    if self.block_on(sleep_or_shutdown(backoff.next_delay(), &self.shutdown)).is_err() {
                         return None;
                     }
                 }
@@ -130,7 +112,11 @@ impl GroupContext {
             warn!(error = %e, "assigning partitions failed");
         }
         info!(?partitions, "partitions assigned");
-        self.with_stages(async |s| s.assign(starts));
+        self.block_on(async {
+            let mut st = self.stages.lock().await;
+            st.assign(starts);
+            self.flusher.set_owned(st.partitions());
+        });
     }
 
     fn revoke(&self, consumer: &BaseConsumer<Self>, tpl: &TopicPartitionList) {
@@ -138,7 +124,24 @@ impl GroupContext {
         let lost = consumer.assignment_lost();
         metrics::counter!(t::REBALANCES, "kind" => "revoke").increment(1);
         info!(?partitions, lost, "partitions revoked");
-        self.with_stages(async |s| s.revoke(consumer, &partitions, lost).await);
+        self.block_on(async {
+            let mut st = self.stages.lock().await;
+            if lost {
+                // Another member may own them already: not one more commit for them.
+                self.flusher.set_owned(st.partitions().filter(|p| !partitions.contains(p)));
+            }
+            let job = st.revoke(&partitions, lost);
+            drop(st);
+            if let Some(job) = job {
+                if self.flusher.drain(job, Instant::now() + self.drain_timeout).await {
+                    info!(?partitions, "flushed and committed revoked partitions");
+                } else {
+                    warn!("could not flush revoked partitions within the drain timeout; the next owner re-reads their open batches");
+                }
+            }
+            let st = self.stages.lock().await;
+            self.flusher.set_owned(st.partitions());
+        });
         let released = match consumer.rebalance_protocol() {
             RebalanceProtocol::Cooperative => consumer.incremental_unassign(tpl),
             _ => consumer.unassign(),
@@ -200,8 +203,8 @@ pub struct Member {
 }
 
 impl Member {
-    /// Connects, checks the stored batch size, joins the group and runs the loop until
-    /// `shutdown`; then flushes, commits and leaves within the drain timeout.
+    /// Connects, checks the stored batch size and the setup, joins the group and runs the
+    /// loop until `shutdown`; then flushes, commits and leaves within the drain timeout.
     pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
         let s = &self.settings;
         let sink = Sink::new(&s.clickhouse);
@@ -213,11 +216,12 @@ impl Member {
 
         let mut cache = s.shared_cache()?;
         cache.check_eviction_policy().await?;
+        let sweeper = CancellationToken::new();
         tokio::spawn(crate::dedup::shared::sweep_forever(
             s.shared_cache()?,
             s.dedup_window(),
             s.dedup.max_record_lag,
-            shutdown.clone(),
+            sweeper.clone(),
         ));
         let dead_letters = if s.dead_letter.enabled {
             let topic = s.dead_letter_topic();
@@ -226,168 +230,203 @@ impl Member {
         } else {
             None
         };
+
+        // The flusher commits through the consumer, which is built after it: a weak
+        // reference, so that dropping the consumer (leaving the group) is not delayed.
+        let consumer_cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>> = Arc::new(OnceLock::new());
+        let fatal = FatalSignal::default();
+        let flusher = Arc::new(Flusher::start(FlusherConfig {
+            sink: sink.clone(),
+            topic: s.kafka.topic.clone(),
+            writer: Writer::Member,
+            committer: Some(committer(consumer_cell.clone(), s.kafka.topic.clone())),
+            dead_letters,
+            cache: Some(s.shared_cache()?),
+            health: self.health.clone(),
+            max_backoff: s.pipeline.max_backoff,
+            fatal: fatal.clone(),
+        }));
+        let (claimer, verdicts) = Claimer::start(s.shared_cache()?, s.pipeline.max_backoff, self.health.clone());
         let stages = Arc::new(Mutex::new(Stages::new(
             StagesConfig::from_settings(s),
             cache,
             s.fingerprinter(),
-            dead_letters,
             sink,
             self.health.clone(),
         )));
-        let fatal = FatalSignal::default();
         let context = GroupContext {
             stages: stages.clone(),
+            flusher: flusher.clone(),
             topic: s.kafka.topic.clone(),
             runtime: Handle::current(),
             fatal: fatal.clone(),
             shutdown: shutdown.clone(),
             max_backoff: s.pipeline.max_backoff,
+            drain_timeout: s.pipeline.drain_timeout,
         };
-        let consumer: StreamConsumer<GroupContext> =
-            source::group_consumer_config(&s.kafka).create_with_context(context)?;
+        let consumer: Arc<StreamConsumer<GroupContext>> =
+            Arc::new(source::group_consumer_config(&s.kafka).create_with_context(context)?);
+        let _ = consumer_cell.set(Arc::downgrade(&consumer));
         consumer.subscribe(&[s.kafka.topic.as_str()])?;
         info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
 
-        let exit = consume(&consumer, &stages, s, &shutdown, &fatal).await;
-        let exit = match exit {
-            Ok(()) => drain(&consumer, &stages, s.pipeline.drain_timeout).await,
+        let parts = Loop { consumer: &consumer, stages: &stages, flusher: &flusher, claimer, verdicts };
+        let exit = match parts.run(s, &shutdown, &fatal).await {
+            Ok(()) => drain(&stages, &flusher, s.pipeline.drain_timeout).await,
             Err(e) => {
                 // Fatal: do not write or commit anything more on the way out.
-                stages.lock().await.abandon();
+                flusher.abandon();
                 Err(e)
             }
         };
         // Dropping the consumer leaves the group; the revoke callback runs in here.
         drop(consumer);
-        let (totals, rows_flushed) = {
-            let st = stages.lock().await;
-            (st.totals, st.rows_flushed)
-        };
-        info!(?totals, rows_flushed, "member stopped");
+        sweeper.cancel();
+        let totals = stages.lock().await.totals;
+        info!(?totals, rows_flushed = flusher.rows_flushed(), "member stopped");
         exit
     }
 }
 
-async fn consume(
-    consumer: &StreamConsumer<GroupContext>,
-    stages: &Mutex<Stages>,
-    s: &Settings,
-    shutdown: &CancellationToken,
-    fatal: &FatalSignal,
-) -> Result<(), PipelineError> {
-    let max_records = s.pipeline.max_poll_records;
-    let max_unflushed = s.pipeline.max_unflushed_buckets;
-    let mut stream = consumer.stream();
-    let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
-    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut paused = false;
-    let kafka_log = RateLimiter::new(Duration::from_secs(5));
-    let limits = stages.lock().await.limits().clone();
-
-    loop {
-        // Backpressure: while ClickHouse cannot take the rows, stop fetching but keep
-        // polling, so the member stays in the group and rebalances are served.
-        {
-            let st = stages.lock().await;
-            let over = st.unflushed_buckets() >= max_unflushed;
-            if over != paused {
-                let assignment = consumer.assignment()?;
-                if over {
-                    consumer.pause(&assignment)?;
-                    warn!(
-                        unflushed_buckets = st.unflushed_buckets(),
-                        "pausing consumption until ClickHouse takes the backlog"
-                    );
-                } else {
-                    consumer.resume(&assignment)?;
-                    info!("resuming consumption");
-                }
-                paused = over;
-                metrics::gauge!(t::PAUSED).set(if paused { 1.0 } else { 0.0 });
-            }
+/// Commits `offsets` through the group consumer, once it exists and while it does.
+fn committer(cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>>, topic: String) -> Committer {
+    Box::new(move |offsets: &BTreeMap<i32, i64>, mode: CommitMode| {
+        let Some(consumer) = cell.get().and_then(Weak::upgrade) else { return Ok(()) };
+        let mut tpl = TopicPartitionList::new();
+        for (&p, &offset) in offsets {
+            tpl.add_partition_offset(&topic, p, Offset::Offset(offset))?;
         }
+        consumer.commit(&tpl, mode)
+    })
+}
 
-        tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => return Ok(()),
-            message = fatal.raised() => return Err(PipelineError::Fatal(message)),
-            _ = ticker.tick() => {
-                let mut st = stages.lock().await;
-                st.flush(consumer, CommitMode::Async).await?;
-            }
-            next = stream.next() => {
-                let mut records = Vec::with_capacity(max_records);
-                let mut pending = next;
-                loop {
-                    match pending {
-                        Some(Ok(msg)) => {
-                            records.push(Record::decode(&msg, &limits));
-                        }
-                        Some(Err(e)) => {
-                            metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
-                            if source::is_fatal_kafka(e.rdkafka_error_code()) {
-                                fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
+/// The loop and what it drives.
+struct Loop<'a> {
+    consumer: &'a StreamConsumer<GroupContext>,
+    stages: &'a Mutex<Stages>,
+    flusher: &'a Flusher,
+    claimer: Claimer,
+    verdicts: Verdicts,
+}
+
+impl Loop<'_> {
+    async fn run(
+        mut self,
+        s: &Settings,
+        shutdown: &CancellationToken,
+        fatal: &FatalSignal,
+    ) -> Result<(), PipelineError> {
+        let max_unflushed = s.pipeline.max_unflushed_buckets;
+        let mut chunks = self.consumer.stream().ready_chunks(s.pipeline.max_poll_records);
+        let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Poll batches whose claims are in Redis, oldest first; their verdicts come back
+        // in this order. Two at most: one being decided while the next is decoded.
+        let mut in_flight: VecDeque<Prepared> = VecDeque::new();
+        let mut paused = false;
+        let kafka_log = RateLimiter::new(Duration::from_secs(5));
+        let limits = self.stages.lock().await.limits().clone();
+
+        loop {
+            paused = self.backpressure(paused, max_unflushed).await?;
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                message = fatal.raised() => return Err(PipelineError::Fatal(message)),
+                answer = self.verdicts.recv(), if !in_flight.is_empty() => {
+                    let prepared = in_flight.pop_front().expect("checked");
+                    let verdicts = answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))??;
+                    self.apply(prepared, verdicts).await?;
+                }
+                // Always armed: besides cutting flushes, the tick re-checks backpressure
+                // while consumption is paused and nothing else wakes the loop.
+                _ = ticker.tick() => {
+                    if self.flusher.has_room() {
+                        let job = self.stages.lock().await.cut(CommitMode::Async);
+                        self.flusher.send(job).await;
+                    }
+                }
+                chunk = chunks.next(), if in_flight.len() < 2 => {
+                    let Some(chunk) = chunk else { return Ok(()) };
+                    let mut records = Vec::with_capacity(chunk.len());
+                    for message in chunk {
+                        match message {
+                            Ok(msg) => records.push(Record::decode(&msg, &limits)),
+                            Err(e) => {
+                                metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
+                                if source::is_fatal_kafka(e.rdkafka_error_code()) {
+                                    fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
+                                }
+                                if kafka_log.allow("consume", Instant::now()).is_some() {
+                                    warn!(error = %e, "kafka consume error");
+                                }
                             }
-                            if kafka_log.allow("consume", Instant::now()).is_some() {
-                                warn!(error = %e, "kafka consume error");
-                            }
-                            break;
                         }
-                        None => break,
                     }
-                    if records.len() >= max_records {
-                        break;
-                    }
-                    match stream.next().now_or_never() {
-                        Some(n) => pending = n,
-                        None => break,
-                    }
-                }
-                if records.is_empty() {
-                    continue;
-                }
-                let mut st = stages.lock().await;
-                match st.process(consumer, records, shutdown).await {
-                    Ok(_) => {}
-                    Err(Interrupted::Shutdown) => return Ok(()),
-                    Err(Interrupted::Fatal(e)) => return Err(e),
-                }
-                if st.has_complete_batches() {
-                    st.flush(consumer, CommitMode::Async).await?;
+                    let mut prepared = self.stages.lock().await.prepare(records);
+                    // Every batch goes through the claim task, claims or not, so that
+                    // the verdicts come back in batch order.
+                    self.claimer.claim(prepared.take_claims()).await;
+                    in_flight.push_back(prepared);
                 }
             }
         }
+    }
+
+    /// Applies one batch's verdicts; falls back partitions the cache cannot decide, and
+    /// hands a flush over when a batch completed.
+    async fn apply(&mut self, prepared: Prepared, verdicts: Vec<crate::dedup::Verdict>) -> Result<(), PipelineError> {
+        let mut st = self.stages.lock().await;
+        let distrusted = st.apply(prepared, verdicts);
+        for (p, why) in distrusted {
+            st.fall_back_to_private(self.consumer, p, why).await?;
+        }
+        if st.has_complete_batches() && self.flusher.has_room() {
+            let job = st.cut(CommitMode::Async);
+            drop(st);
+            self.flusher.send(job).await;
+        }
+        Ok(())
+    }
+
+    /// While ClickHouse cannot take the rows, stop fetching but keep polling, so the
+    /// member stays in the group and rebalances are served. Returns whether paused.
+    async fn backpressure(&self, paused: bool, max_unflushed: usize) -> Result<bool, PipelineError> {
+        let held = self.stages.lock().await.unflushed_buckets() + self.flusher.buckets_in_flight();
+        let over = held >= max_unflushed;
+        if over != paused {
+            let assignment = self.consumer.assignment()?;
+            if over {
+                self.consumer.pause(&assignment)?;
+                warn!(unflushed_buckets = held, "pausing consumption until ClickHouse takes the backlog");
+            } else {
+                self.consumer.resume(&assignment)?;
+                info!("resuming consumption");
+            }
+            metrics::gauge!(t::PAUSED).set(if over { 1.0 } else { 0.0 });
+        }
+        metrics::gauge!(t::BUCKETS_HELD).set(held as f64);
+        Ok(over)
     }
 }
 
 /// Final flush and synchronous commit. Past the drain timeout, nothing more is written
 /// or committed and the exit is reported as [`Exit::DrainTimedOut`].
-async fn drain(
-    consumer: &StreamConsumer<GroupContext>,
-    stages: &Mutex<Stages>,
-    timeout: Duration,
-) -> Result<Exit, PipelineError> {
+async fn drain(stages: &Mutex<Stages>, flusher: &Flusher, timeout: Duration) -> Result<Exit, PipelineError> {
     let deadline = Instant::now() + timeout;
-    let mut st = stages.lock().await;
-    let last_read = st.agg.last_offsets();
-    info!(unflushed_buckets = st.unflushed_buckets(), ?last_read, "draining: final flush and commit");
-    match st.flush_until(deadline, consumer, CommitMode::Sync).await {
-        Ok(true) => {
-            info!(last_read = %serde_json::to_string(&last_read).unwrap_or_default(), "drained: everything read is flushed and committed");
-            Ok(Exit::Drained)
-        }
-        Ok(false) => {
-            error!(
-                timeout_ms = timeout.as_millis() as u64,
-                "drain timed out; leaving without committing unflushed work"
-            );
-            st.abandon();
-            Ok(Exit::DrainTimedOut)
-        }
-        Err(e) => {
-            st.abandon();
-            Err(e.into())
-        }
+    let (job, last_read) = {
+        let mut st = stages.lock().await;
+        let last_read = st.agg.last_offsets();
+        info!(unflushed_buckets = st.unflushed_buckets(), ?last_read, "draining: final flush and commit");
+        (st.cut(CommitMode::Sync), last_read)
+    };
+    if flusher.drain(job, deadline).await {
+        info!(last_read = %serde_json::to_string(&last_read).unwrap_or_default(), "drained: everything read is flushed and committed");
+        Ok(Exit::Drained)
+    } else {
+        error!(timeout_ms = timeout.as_millis() as u64, "drain timed out; leaving without committing unflushed work");
+        flusher.abandon();
+        Ok(Exit::DrainTimedOut)
     }
 }
 

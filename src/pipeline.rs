@@ -1,12 +1,17 @@
 //! The stages of one member, in pipeline order, and what they do to a poll batch:
 //!
 //! ```text
-//! poll batch ─► decode/validate ─► dead letters ─► dedup (one Redis pipeline)
-//!            ─► aggregate ─► flush (ClickHouse) ─► commit offsets
+//! poll batch ─► decode/validate ─► dedup (one Redis call) ─► aggregate ─► cut a flush
+//!     └─ rejected records ─► their dead letters go with the next flush
+//! flusher task: dead letters acked ─► pins, rows durable (ClickHouse) ─► commit offsets
 //! ```
 //!
-//! [`Stages`] holds every stage's state; `member` drives it from the consumer-group
-//! loop and `replay` from a directly assigned reader.
+//! [`Stages`] holds the state of the stages up to the cut; a poll batch goes through it
+//! in two steps, [`Stages::prepare`] (clocks, fingerprints, private decisions, the
+//! claims for Redis) and [`Stages::apply`] (the verdicts, the aggregator), so that one
+//! batch's claims can be in flight against Redis while the next is decoded. The
+//! `flusher` makes the cuts durable and commits. `member` drives them from the
+//! consumer-group loop and `replay` from a directly assigned reader.
 //!
 //! Error classes: a rejected record is routed to the dead-letter topic and counted; a
 //! transient Redis, ClickHouse or Kafka failure is retried with backoff while nothing
@@ -17,23 +22,23 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
+use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, error, info, info_span, warn, Instrument};
+use tracing::{info, warn};
 
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::click::Limits;
 use crate::config::Settings;
-use crate::dead_letter::DeadLetters;
 use crate::dedup::{
     Claim, ClaimMode, DedupError, Fingerprint, Fingerprinter, PartitionClock, Pin, PrivateScope, Secs, SharedCache,
     Sighting, Verdict,
 };
+use crate::flusher::Job;
 use crate::health::Health;
 use crate::position::{self, Scope, Start};
-use crate::sink::{Sink, SinkError, Writer};
+use crate::sink::{Sink, SinkError};
 use crate::source::{self, Record};
 use crate::telemetry::{self as t, RateLimiter};
 
@@ -125,37 +130,53 @@ impl BatchStats {
     }
 }
 
-/// Every stage's state. Owned by the loop, reached by rebalance callbacks.
+/// A fatal condition reported from another task or a librdkafka callback to the loop.
+#[derive(Clone, Default)]
+pub struct FatalSignal {
+    token: CancellationToken,
+    message: Arc<std::sync::Mutex<Option<String>>>,
+}
+
+impl FatalSignal {
+    pub fn raise(&self, message: String) {
+        self.message.lock().expect("not poisoned").get_or_insert(message);
+        self.token.cancel();
+    }
+
+    pub async fn raised(&self) -> String {
+        self.token.cancelled().await;
+        self.message.lock().expect("not poisoned").clone().unwrap_or_default()
+    }
+}
+
+/// The state of the stages up to the cut of a flush. Owned by the loop, reached by
+/// rebalance callbacks.
 pub struct Stages {
     topic: String,
     limits: Limits,
     pub agg: Aggregator,
+    /// For planning starts, restarts and the cached pins (claims go through a `Claimer`).
     cache: SharedCache,
     fingerprints: Fingerprinter,
     window: Secs,
     max_record_lag: Duration,
     /// The partitions being read, with where each started and how it decides. Records
-    /// of other partitions (fetched before a revoke) are dropped; commits are only sent
-    /// for these.
+    /// of other partitions (fetched before a revoke) are dropped.
     readers: HashMap<i32, Reader>,
+    /// Bumped for every new reader: a prepared poll batch whose reader was replaced
+    /// meanwhile (revoked, reassigned, fallen back) is not applied.
+    generation: u64,
     /// The state of readers that rebuilt it from the log (`Scope::Private`).
     private: PrivateScope,
-    dead_letters: Option<DeadLetters>,
     sink: Sink,
-    /// A flush cut from the aggregator but not yet durable. Flushes land one at a time
-    /// and in order: a later flush's commits assume the earlier rows are durable.
-    pending: Option<Flush>,
-    next_flush_attempt: Instant,
-    flush_backoff: Backoff,
-    max_backoff: Duration,
-    drain_timeout: Duration,
-    /// Set when the drain failed: revocation then forgets state without writing.
-    abandoned: bool,
-    /// `false` for `replay`, which reads by direct assignment and owns no group offsets.
-    commit_offsets: bool,
+    dead_letters: bool,
+    /// Rejected records since the last cut: their dead letters go with the next flush.
+    rejected: Vec<Record>,
+    /// Counted clicks by record time (s) since the last cut.
+    freshness: BTreeMap<Secs, u64>,
+    /// Cuts of partitions that fell back to private state, written with the next flush.
+    carried: Flush,
     pub totals: BatchStats,
-    /// Rows written to ClickHouse by this process.
-    pub rows_flushed: u64,
     health: Arc<Health>,
     log_limit: RateLimiter,
 }
@@ -163,31 +184,20 @@ pub struct Stages {
 /// One partition being read (see `position`).
 #[derive(Debug)]
 struct Reader {
+    generation: u64,
     /// The first offset counted; records before it only rebuild dedup state.
     count_from: i64,
     clock: PartitionClock,
     scope: Scope,
     /// Recorded cross-partition decisions for offsets this reader reads.
     pins: BTreeMap<i64, Pin>,
-    /// The last offset processed: anything at or below it is a stale fetch.
+    /// The last offset taken in: anything at or below it is a stale fetch.
     last: i64,
-}
-
-impl Reader {
-    fn new(start: Start, pins: BTreeMap<i64, Pin>) -> Reader {
-        Reader {
-            count_from: start.count_from,
-            clock: PartitionClock::at(start.clock),
-            scope: start.scope,
-            pins,
-            last: start.read_from - 1,
-        }
-    }
 }
 
 /// Why a member stops trusting the shared cache for a partition.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Distrust {
+pub enum Distrust {
     /// A re-read the cache could not decide.
     Undecidable,
     /// The partition lags the wall clock by more than `dedup.max_record_lag`: entries
@@ -210,9 +220,7 @@ pub struct StagesConfig {
     pub batch_offsets: BatchOffsets,
     pub window: Duration,
     pub max_record_lag: Duration,
-    pub max_backoff: Duration,
-    pub drain_timeout: Duration,
-    pub commit_offsets: bool,
+    pub dead_letters: bool,
 }
 
 impl StagesConfig {
@@ -223,9 +231,7 @@ impl StagesConfig {
             batch_offsets: s.batch_offsets(),
             window: s.dedup_window(),
             max_record_lag: s.dedup.max_record_lag,
-            max_backoff: s.pipeline.max_backoff,
-            drain_timeout: s.pipeline.drain_timeout,
-            commit_offsets: true,
+            dead_letters: s.dead_letter.enabled,
         }
     }
 }
@@ -238,8 +244,9 @@ pub enum Interrupted {
 }
 
 /// One record of a poll batch on its way through the stages.
-struct Item<'a> {
-    record: &'a Record,
+struct Item {
+    record: Record,
+    generation: u64,
     /// Its record time.
     clock: Secs,
     /// Before the reader's first counted offset: it only rebuilds dedup state.
@@ -248,12 +255,33 @@ struct Item<'a> {
     verdict: Option<Verdict>,
 }
 
+/// A poll batch between [`Stages::prepare`] and [`Stages::apply`].
+pub struct Prepared {
+    items: Vec<Item>,
+    /// The claims for the shared cache, in record order; `claimed[i]` is claim i's item.
+    claims: Vec<Claim>,
+    claimed: Vec<usize>,
+    /// Partitions that stop trusting the cache before this batch (lag), with the
+    /// generation of the reader that saw it.
+    distrusted: BTreeMap<i32, (Distrust, u64)>,
+}
+
+impl Prepared {
+    /// Takes the claims to hand to the `Claimer` (the verdicts come back in this order).
+    pub fn take_claims(&mut self) -> Vec<Claim> {
+        std::mem::take(&mut self.claims)
+    }
+
+    pub fn has_claims(&self) -> bool {
+        !self.claimed.is_empty()
+    }
+}
+
 impl Stages {
     pub fn new(
         cfg: StagesConfig,
         cache: SharedCache,
         fingerprints: Fingerprinter,
-        dead_letters: Option<DeadLetters>,
         sink: Sink,
         health: Arc<Health>,
     ) -> Stages {
@@ -267,18 +295,14 @@ impl Stages {
             window,
             max_record_lag: cfg.max_record_lag,
             readers: HashMap::new(),
+            generation: 0,
             private: PrivateScope::new(window),
-            dead_letters,
             sink,
-            pending: None,
-            next_flush_attempt: Instant::now(),
-            flush_backoff: Backoff::new(cfg.max_backoff),
-            max_backoff: cfg.max_backoff,
-            drain_timeout: cfg.drain_timeout,
-            abandoned: false,
-            commit_offsets: cfg.commit_offsets,
+            dead_letters: cfg.dead_letters,
+            rejected: Vec::new(),
+            freshness: BTreeMap::new(),
+            carried: Flush::default(),
             totals: BatchStats::default(),
-            rows_flushed: 0,
             health,
             log_limit: RateLimiter::new(Duration::from_secs(5)),
         }
@@ -288,13 +312,18 @@ impl Stages {
         &self.limits
     }
 
+    /// The partitions being read.
+    pub fn partitions(&self) -> impl Iterator<Item = i32> + '_ {
+        self.readers.keys().copied()
+    }
+
     /// Plans where each newly assigned partition starts (`position::shared_start`):
     /// the batch boundary at or below its committed offset, a warm-up when the cache
-    /// lacks the sightings before it, and the recorded pins of what it will re-read.
+    /// lacks the sightings before it, and the recorded pins of what it will read.
     /// Blocking broker look-ups; called from the rebalance callback.
-    pub async fn plan_shared_starts<C: ConsumerContext>(
+    pub async fn plan_shared_starts<X: ConsumerContext>(
         &mut self,
-        consumer: &BaseConsumer<C>,
+        consumer: &impl Consumer<X>,
         partitions: &[i32],
     ) -> Result<Vec<(Start, BTreeMap<i64, Pin>)>, PipelineError> {
         // A cooperative rebalance may assign nothing new to this member.
@@ -354,73 +383,131 @@ impl Stages {
                     "warming up dedup state from the log"
                 );
             }
-            self.readers.insert(p, Reader::new(start, pins));
+            self.generation += 1;
+            self.readers.insert(p, Reader::new(start, pins, self.generation));
         }
+        self.publish_assignment();
+    }
+
+    /// Partitions stop being ours: the cut of their state (to flush and commit before
+    /// they are released), unless the assignment was lost (another member may own them
+    /// already: nothing is written for them).
+    pub fn revoke(&mut self, partitions: &[i32], lost: bool) -> Option<Job> {
+        let job = if lost {
+            None
+        } else {
+            let cut = self.agg.take_partitions(partitions);
+            Some(self.job(cut, CommitMode::Sync))
+        };
+        for &p in partitions {
+            self.agg.forget(p);
+            self.private.forget(p);
+            self.readers.remove(&p);
+        }
+        self.publish_assignment();
+        job
+    }
+
+    fn publish_assignment(&self) {
         self.health.set_assigned(self.readers.len());
         metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
     }
 
-    /// Partitions stop being ours: flush their state and commit, within the drain
-    /// timeout, then forget them. When the assignment was lost (session timeout),
-    /// another member may own them already: forget without committing.
-    pub async fn revoke<C: ConsumerContext>(&mut self, consumer: &BaseConsumer<C>, partitions: &[i32], lost: bool) {
-        let span = info_span!("revoke", partitions = ?partitions, lost);
-        async {
-            if !lost && !self.abandoned {
-                let cut = self.agg.take_partitions(partitions);
-                match self.pending.as_mut() {
-                    Some(pending) => pending.merge(cut),
-                    None => self.pending = Some(cut),
-                }
-                let deadline = Instant::now() + self.drain_timeout;
-                match self.flush_until(deadline, consumer, CommitMode::Sync).await {
-                    Ok(true) => info!("flushed and committed revoked partitions"),
-                    Ok(false) => warn!("could not flush revoked partitions within the drain timeout; the next owner re-reads their open batches"),
-                    Err(e) => error!(error = %e, "flushing revoked partitions failed"),
-                }
+    /// The first step of a poll batch: clocks, fingerprints, the decisions of readers
+    /// with private state, and the claims for the shared cache. Records of partitions
+    /// not ours, and stale ones (at or below what was already taken in, fetched before a
+    /// seek), are dropped.
+    pub fn prepare(&mut self, records: Vec<Record>) -> Prepared {
+        let mut items = Vec::with_capacity(records.len());
+        for r in records {
+            let Some(reader) = self.readers.get_mut(&r.partition) else { continue };
+            if r.offset <= reader.last {
+                continue;
             }
-            for &p in partitions {
-                self.agg.forget(p);
-                self.private.forget(p);
-                self.readers.remove(&p);
-            }
-            self.health.set_assigned(self.readers.len());
-            metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
+            reader.last = r.offset;
+            let clock = reader.clock.tick(r.timestamp_ms);
+            let fingerprint = r.outcome.as_ref().ok().map(|c| self.fingerprints.of(c.click_id.as_str()));
+            let warm = r.offset < reader.count_from;
+            let generation = reader.generation;
+            items.push(Item { record: r, generation, clock, warm, fingerprint, verdict: None });
         }
-        .instrument(span)
-        .await
+        let distrusted = self.lagging(&items);
+        let mut claims = Vec::new();
+        let mut claimed = Vec::new();
+        for (idx, i) in items.iter_mut().enumerate() {
+            let p = i.record.partition;
+            let Some(fp) = i.fingerprint else { continue };
+            let reader = &self.readers[&p];
+            if distrusted.contains_key(&p) {
+                continue;
+            }
+            match reader.scope {
+                Scope::Private => {
+                    let pin = if i.warm { None } else { reader.pins.get(&i.record.offset).copied() };
+                    i.verdict = Some(self.private.sight(p, fp.0, i.clock, pin));
+                }
+                Scope::Shared { .. } => {
+                    let mode = ClaimMode { pin: reader.pins.get(&i.record.offset).copied(), warm: i.warm };
+                    let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
+                    claims.push(Claim { fingerprint: fp, sighting, mode });
+                    claimed.push(idx);
+                }
+            }
+        }
+        Prepared { items, claims, claimed, distrusted }
     }
 
-    /// Applies one poll batch: dead letters, dedup, aggregation. Returns early only on
-    /// shutdown or a fatal error; transient failures are retried here with backoff.
-    pub async fn process<C: ConsumerContext>(
-        &mut self,
-        consumer: &impl Consumer<C>,
-        records: Vec<Record>,
-        shutdown: &CancellationToken,
-    ) -> Result<BatchStats, Interrupted> {
-        let mut stats = BatchStats::default();
-        let mut items = self.clock_in(&records);
-        stats.warmup = items.iter().filter(|i| i.warm).count() as u64;
-        stats.records = items.len() as u64 - stats.warmup;
-
-        let counted_records: Vec<&Record> = items.iter().filter(|i| !i.warm).map(|i| i.record).collect();
-        if counted_records.iter().any(|r| r.outcome.is_err()) {
-            stats.invalid = self.route_rejected(&counted_records, shutdown).await?;
-        }
-
-        let mut distrusted: BTreeMap<i32, Distrust> = self.lagging(&items);
-        self.decide_private(&mut items);
-        self.decide_shared(&mut items, &distrusted, shutdown).await?;
-        for i in &items {
-            if !i.warm && i.verdict == Some(Verdict::Undecidable) {
-                distrusted.entry(i.record.partition).or_insert(Distrust::Undecidable);
+    /// Partitions read from the shared cache whose first counted record lags the wall
+    /// clock by more than `dedup.max_record_lag`: the cache may have collected entries
+    /// they need.
+    fn lagging(&self, items: &[Item]) -> BTreeMap<i32, (Distrust, u64)> {
+        let now = chrono::Utc::now().timestamp().max(0) as u64;
+        let limit = self.max_record_lag.as_secs();
+        let mut out = BTreeMap::new();
+        let mut seen = BTreeSet::new();
+        for i in items.iter().filter(|i| !i.warm) {
+            let p = i.record.partition;
+            if !seen.insert(p) {
+                continue;
+            }
+            let lag = now.saturating_sub(u64::from(i.clock));
+            metrics::gauge!(t::RECORD_LAG, "partition" => p.to_string()).set(lag as f64);
+            let shared = matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. }));
+            if shared && lag > limit {
+                out.insert(p, (Distrust::Lag, i.generation));
             }
         }
+        out
+    }
 
-        for i in items.iter().filter(|i| !i.warm && !distrusted.contains_key(&i.record.partition)) {
-            let r = i.record;
-            let (counted, pin) = match (&r.outcome, i.verdict) {
+    /// The second step of a poll batch: the shared cache's verdicts (in the order of
+    /// the claims), then the aggregator. Returns the partitions that stop trusting the
+    /// cache; the caller falls them back to private state (`fall_back_to_private`).
+    pub fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> BTreeMap<i32, Distrust> {
+        let Prepared { mut items, claimed, mut distrusted, .. } = prepared;
+        for (idx, v) in claimed.into_iter().zip(verdicts) {
+            items[idx].verdict = Some(v);
+            if v == Verdict::Undecidable && !items[idx].warm {
+                let item = &items[idx];
+                distrusted.entry(item.record.partition).or_insert((Distrust::Undecidable, item.generation));
+            }
+        }
+        // A reader replaced since this batch was prepared has nothing to fall back.
+        distrusted.retain(|p, (_, generation)| self.readers.get(p).is_some_and(|r| r.generation == *generation));
+        let distrusted: BTreeMap<i32, Distrust> = distrusted.into_iter().map(|(p, (why, _))| (p, why)).collect();
+        let mut stats = BatchStats::default();
+        for i in items {
+            let p = i.record.partition;
+            let current = self.readers.get(&p).is_some_and(|r| r.generation == i.generation);
+            if !current || distrusted.contains_key(&p) {
+                continue;
+            }
+            if i.warm {
+                stats.warmup += 1;
+                continue;
+            }
+            stats.records += 1;
+            let (counted, pin) = match (&i.record.outcome, i.verdict) {
                 (Ok(click), Some(v)) => {
                     match v {
                         Verdict::Own => stats.redelivered += 1,
@@ -438,14 +525,32 @@ impl Stages {
                 }
                 _ => (None, None),
             };
-            stats.counted += u64::from(counted.is_some());
-            self.agg.observe(r.partition, r.offset, counted, pin);
+            if counted.is_some() {
+                stats.counted += 1;
+                if let Some(secs) = i.record.timestamp_ms.and_then(crate::dedup::decide::secs_of_millis) {
+                    *self.freshness.entry(secs).or_default() += 1;
+                }
+            }
+            self.agg.observe(p, i.record.offset, counted, pin);
+            if let Err(rejected) = &i.record.outcome {
+                stats.invalid += 1;
+                let reason = rejected.rejection.reason.as_str();
+                metrics::counter!(t::INVALID_RECORDS, "reason" => reason).increment(1);
+                if let Some(suppressed) = self.log_limit.allow(reason, Instant::now()) {
+                    warn!(
+                        partition = p,
+                        offset = i.record.offset,
+                        reason,
+                        detail = %rejected.rejection.detail,
+                        suppressed_since_last = suppressed,
+                        "rejected record"
+                    );
+                }
+                if self.dead_letters {
+                    self.rejected.push(i.record);
+                }
+            }
         }
-
-        for (p, why) in distrusted {
-            self.fall_back_to_private(consumer, p, why).await.map_err(Interrupted::Fatal)?;
-        }
-
         metrics::counter!(t::RECORDS_CONSUMED).increment(stats.records);
         metrics::counter!(t::WARMUP_RECORDS).increment(stats.warmup);
         metrics::counter!(t::CLICKS_COUNTED).increment(stats.counted);
@@ -454,110 +559,22 @@ impl Stages {
         metrics::counter!(t::CROSS_PARTITION_DUPLICATES).increment(stats.cross_partition);
         metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
         self.totals.add(&stats);
-        Ok(stats)
+        distrusted
     }
 
-    /// Advances each partition's clock over the batch and says which records are
-    /// warm-up. Records of partitions not ours, and stale ones (at or below what was
-    /// already processed, fetched before a seek), are dropped.
-    fn clock_in<'a>(&mut self, records: &'a [Record]) -> Vec<Item<'a>> {
-        let mut items = Vec::with_capacity(records.len());
-        for r in records {
-            let Some(reader) = self.readers.get_mut(&r.partition) else { continue };
-            if r.offset <= reader.last {
-                continue;
-            }
-            reader.last = r.offset;
-            let clock = reader.clock.tick(r.timestamp_ms);
-            let fingerprint = r.outcome.as_ref().ok().map(|c| self.fingerprints.of(c.click_id.as_str()));
-            let warm = r.offset < reader.count_from;
-            items.push(Item { record: r, clock, warm, fingerprint, verdict: None });
-        }
-        items
-    }
-
-    /// Partitions read from the shared cache whose first counted record lags the wall
-    /// clock by more than `dedup.max_record_lag`: the cache may have collected entries
-    /// they need.
-    fn lagging(&self, items: &[Item<'_>]) -> BTreeMap<i32, Distrust> {
-        let now = chrono::Utc::now().timestamp().max(0) as u64;
-        let limit = self.max_record_lag.as_secs();
-        let mut out = BTreeMap::new();
-        let mut seen = BTreeSet::new();
-        for i in items.iter().filter(|i| !i.warm) {
-            let p = i.record.partition;
-            if !seen.insert(p) {
-                continue;
-            }
-            let lag = now.saturating_sub(u64::from(i.clock));
-            metrics::gauge!(t::RECORD_LAG, "partition" => p.to_string()).set(lag as f64);
-            let shared = matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. }));
-            if shared && lag > limit {
-                out.insert(p, Distrust::Lag);
-            }
-        }
-        out
-    }
-
-    /// Decides the records of partitions with private state.
-    fn decide_private(&mut self, items: &mut [Item<'_>]) {
-        for i in items.iter_mut() {
-            let p = i.record.partition;
-            let Some(fp) = i.fingerprint else { continue };
-            let reader = self.readers.get(&p).expect("clocked in");
-            if reader.scope != Scope::Private {
-                continue;
-            }
-            let pin = if i.warm { None } else { reader.pins.get(&i.record.offset).copied() };
-            i.verdict = Some(self.private.sight(p, fp.0, i.clock, pin));
-        }
-    }
-
-    /// Decides the records of partitions read from the shared cache, with one `FCALL` per
-    /// poll batch (and key group); a record with a recorded pin has it applied.
-    async fn decide_shared(
-        &mut self,
-        items: &mut [Item<'_>],
-        distrusted: &BTreeMap<i32, Distrust>,
-        shutdown: &CancellationToken,
-    ) -> Result<(), Interrupted> {
-        let mut claims = Vec::new();
-        let mut claimed = Vec::new();
-        for (idx, i) in items.iter_mut().enumerate() {
-            let p = i.record.partition;
-            let Some(fp) = i.fingerprint else { continue };
-            let reader = self.readers.get(&p).expect("clocked in");
-            if reader.scope == Scope::Private || distrusted.contains_key(&p) {
-                continue;
-            }
-            let mode = ClaimMode { pin: reader.pins.get(&i.record.offset).copied(), warm: i.warm };
-            let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
-            claims.push(Claim { fingerprint: fp, sighting, mode });
-            claimed.push(idx);
-        }
-        let verdicts = self.claim_with_retry(&claims, shutdown).await?;
-        for (idx, v) in claimed.into_iter().zip(verdicts) {
-            items[idx].verdict = Some(v);
-        }
-        Ok(())
-    }
-
-    /// Stops deciding `partition` from the shared cache: its rows so far (decided
-    /// correctly) go to the next flush, and it is read again from the start of its
+    /// Stops deciding `partition` from the shared cache: its state so far (decided
+    /// correctly) goes with the next flush, and it is read again from the start of its
     /// open batch with state rebuilt from the log (`position::private_start`).
-    async fn fall_back_to_private<C: ConsumerContext>(
+    pub async fn fall_back_to_private<X: ConsumerContext>(
         &mut self,
-        consumer: &impl Consumer<C>,
+        consumer: &impl Consumer<X>,
         partition: i32,
         why: Distrust,
     ) -> Result<(), PipelineError> {
         let Some(reader) = self.readers.get(&partition) else { return Ok(()) };
         let cut = self.agg.take_partitions(&[partition]);
         let from = cut.commits.get(&partition).copied().unwrap_or(reader.count_from);
-        match self.pending.as_mut() {
-            Some(pending) => pending.merge(cut),
-            None => self.pending = Some(cut),
-        }
+        self.carried.merge(cut);
         let n = self.agg.batch_offsets();
         let requested = BTreeMap::from([(partition, Some(from))]);
         let timeout = Duration::from_secs(10);
@@ -574,7 +591,8 @@ impl Stages {
         );
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => why.as_str()).increment(1);
         self.private.forget(partition);
-        self.readers.insert(partition, Reader::new(start, pins));
+        self.generation += 1;
+        self.readers.insert(partition, Reader::new(start, pins, self.generation));
         tokio::task::block_in_place(|| {
             consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)
         })?;
@@ -590,201 +608,46 @@ impl Stages {
         Ok(pins)
     }
 
-    async fn route_rejected(&mut self, records: &[&Record], shutdown: &CancellationToken) -> Result<u64, Interrupted> {
-        let mut invalid = 0u64;
-        for r in records {
-            if let Err(rejected) = &r.outcome {
-                invalid += 1;
-                let reason = rejected.rejection.reason.as_str();
-                metrics::counter!(t::INVALID_RECORDS, "reason" => reason).increment(1);
-                if let Some(suppressed) = self.log_limit.allow(reason, Instant::now()) {
-                    warn!(
-                        partition = r.partition,
-                        offset = r.offset,
-                        reason,
-                        detail = %rejected.rejection.detail,
-                        suppressed_since_last = suppressed,
-                        "rejected record"
-                    );
-                }
-            }
-        }
-        let Some(dl) = &mut self.dead_letters else { return Ok(invalid) };
-        let mut backoff = Backoff::new(self.max_backoff);
-        loop {
-            match dl.send(records).await {
-                Ok(n) => {
-                    metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
-                    return Ok(invalid);
-                }
-                Err(e) => {
-                    metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
-                    warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying with a new producer");
-                    if let Err(e) = dl.renew() {
-                        warn!(error = %e, "could not create a dead-letter producer");
-                    }
-                    sleep_or_shutdown(backoff.next_delay(), shutdown).await?;
-                }
-            }
+    /// Cuts a flush of everything changed since the last cut: the rows, the dead
+    /// letters to acknowledge before its commits, the freshness of its clicks.
+    pub fn cut(&mut self, commit_mode: CommitMode) -> Job {
+        let flush = self.agg.take_flush();
+        self.job(flush, commit_mode)
+    }
+
+    fn job(&mut self, flush: Flush, commit_mode: CommitMode) -> Job {
+        let mut all = std::mem::take(&mut self.carried);
+        all.merge(flush);
+        let buckets = all.rows.iter().filter(|r| r.grain == crate::aggregate::Grain::Minute).count();
+        Job {
+            flush: all,
+            dead_letters: std::mem::take(&mut self.rejected),
+            freshness: std::mem::take(&mut self.freshness),
+            buckets,
+            commit_mode,
         }
     }
 
-    async fn claim_with_retry(
-        &mut self,
-        claims: &[Claim],
-        shutdown: &CancellationToken,
-    ) -> Result<Vec<Verdict>, Interrupted> {
-        if claims.is_empty() {
-            return Ok(Vec::new());
-        }
-        let mut backoff = Backoff::new(self.max_backoff);
-        loop {
-            match self.cache.claim(claims).await {
-                Ok(v) => {
-                    self.health.set_redis(true);
-                    return Ok(v);
-                }
-                Err(e) if e.is_fatal() => return Err(Interrupted::Fatal(e.into())),
-                Err(e) => {
-                    // Dedup is never skipped: the batch waits, nothing is committed.
-                    self.health.set_redis(false);
-                    metrics::counter!(t::REDIS_ERRORS).increment(1);
-                    metrics::counter!(t::REDIS_RETRIES).increment(1);
-                    if self.log_limit.allow("redis", Instant::now()).is_some() {
-                        warn!(error = %e, "dedup failed; retrying with backoff");
-                    }
-                    sleep_or_shutdown(backoff.next_delay(), shutdown).await?;
-                }
-            }
-        }
-    }
-
-    /// Buckets held in memory, including a flush waiting to be retried.
+    /// Minute buckets held in the aggregator.
     pub fn unflushed_buckets(&self) -> usize {
-        self.agg.buckets_held() + self.pending.as_ref().map_or(0, |f| f.rows.len())
+        self.agg.buckets_held()
     }
 
     pub fn has_complete_batches(&self) -> bool {
         self.agg.has_complete_batches()
     }
+}
 
-    /// One flush attempt, unless a retry is not due yet. Transient failures keep the
-    /// rows for the next attempt; fatal ones are returned.
-    pub async fn flush<C: ConsumerContext>(
-        &mut self,
-        consumer: &impl Consumer<C>,
-        mode: CommitMode,
-    ) -> Result<bool, SinkError> {
-        if self.pending.is_none() {
-            let f = self.agg.take_flush();
-            if f.is_empty() {
-                return Ok(true);
-            }
-            self.pending = Some(f);
+impl Reader {
+    fn new(start: Start, pins: BTreeMap<i64, Pin>, generation: u64) -> Reader {
+        Reader {
+            generation,
+            count_from: start.count_from,
+            clock: PartitionClock::at(start.clock),
+            scope: start.scope,
+            pins,
+            last: start.read_from - 1,
         }
-        if Instant::now() < self.next_flush_attempt {
-            return Ok(false);
-        }
-        let pending = self.pending.as_ref().expect("set above");
-        let started = Instant::now();
-        let span =
-            info_span!("flush", rows = pending.rows.len(), pins = pending.pins.len(), commits = ?pending.commits);
-        let write = async {
-            self.sink.insert_pins(&self.topic, &pending.pins).await?;
-            let writer = if self.commit_offsets { Writer::Member } else { Writer::Replay };
-            self.sink.insert(&self.topic, &pending.rows, writer).await
-        };
-        let result = write.instrument(span.clone()).await;
-        match result {
-            Ok(()) => {
-                metrics::histogram!(t::FLUSH_DURATION).record(started.elapsed().as_secs_f64());
-                metrics::counter!(t::FLUSHES).increment(1);
-                metrics::counter!(t::ROWS_FLUSHED).increment(pending.rows.len() as u64);
-                self.rows_flushed += pending.rows.len() as u64;
-                span.in_scope(|| debug!(elapsed_ms = started.elapsed().as_millis() as u64, "flushed"));
-                self.health.set_clickhouse(true);
-                let pending = self.pending.take().expect("set above");
-                self.commit(consumer, &pending.commits, mode);
-                if self.commit_offsets && !pending.pins.is_empty() {
-                    // The pins are durable now; their cached copies below the commits can go.
-                    if let Err(e) = self.cache.trim_cached_pins(&pending.commits).await {
-                        warn!(error = %e, "could not trim cached cross-partition decisions; they are trimmed later");
-                    }
-                }
-                metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
-                self.flush_backoff.reset();
-                self.next_flush_attempt = Instant::now();
-                Ok(true)
-            }
-            Err(e) if e.is_fatal() => Err(e),
-            Err(e) => {
-                self.health.set_clickhouse(false);
-                metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
-                metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
-                let delay = self.flush_backoff.next_delay();
-                self.next_flush_attempt = Instant::now() + delay;
-                if self.log_limit.allow("clickhouse", Instant::now()).is_some() {
-                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, unflushed_buckets = self.unflushed_buckets(), "flush failed; keeping the rows and retrying");
-                }
-                Ok(false)
-            }
-        }
-    }
-
-    /// Flushes everything until done or `deadline`. `Ok(true)` when all is durable and committed.
-    pub async fn flush_until<C: ConsumerContext>(
-        &mut self,
-        deadline: Instant,
-        consumer: &impl Consumer<C>,
-        mode: CommitMode,
-    ) -> Result<bool, SinkError> {
-        loop {
-            if self.flush(consumer, mode).await? && self.pending.is_none() {
-                return Ok(true);
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Ok(false);
-            }
-            let wait = self.next_flush_attempt.saturating_duration_since(now).min(deadline - now);
-            tokio::time::sleep(wait.max(Duration::from_millis(10))).await;
-        }
-    }
-
-    /// Commits the offsets a durable flush allows, for the partitions still ours.
-    fn commit<C: ConsumerContext>(&self, consumer: &impl Consumer<C>, commits: &BTreeMap<i32, i64>, mode: CommitMode) {
-        if !self.commit_offsets {
-            return;
-        }
-        let mut tpl = TopicPartitionList::new();
-        for (&p, &offset) in commits {
-            if self.readers.contains_key(&p) {
-                let _ = tpl.add_partition_offset(&self.topic, p, Offset::Offset(offset));
-            }
-        }
-        if tpl.count() == 0 {
-            return;
-        }
-        match consumer.commit(&tpl, mode) {
-            Ok(()) => {
-                for (&p, &offset) in commits {
-                    if self.readers.contains_key(&p) {
-                        metrics::gauge!(t::COMMITTED_OFFSET, "partition" => p.to_string()).set(offset as f64);
-                    }
-                }
-                debug!(?commits, "committed");
-            }
-            Err(e) => {
-                // Harmless for correctness: the next commit covers it, or the batch is re-read.
-                metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
-                warn!(error = %e, "offset commit failed");
-            }
-        }
-    }
-
-    /// Called when the drain failed: later revocations must not write or commit.
-    pub fn abandon(&mut self) {
-        self.abandoned = true;
     }
 }
 

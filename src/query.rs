@@ -6,6 +6,10 @@
 //! this module writes the values in client-side, as literals built only from numbers
 //! and escaped strings ([`substitute`]). Both files read through `FINAL`: a batch row
 //! replaced by a later version is never summed twice.
+//!
+//! The query reads the coarsest table that answers it exactly ([`grain_for`]): the daily
+//! roll-up for days over whole days, the hourly one for hours (or days) over whole
+//! hours, the minute table otherwise.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -17,8 +21,9 @@ use clap::{Args, ValueEnum};
 use clickhouse::Row;
 use serde::Deserialize;
 
+use crate::aggregate::Grain;
 use crate::config::Settings;
-use crate::sink::{quote_literal, Sink};
+use crate::sink::{quote_ident, quote_literal, table_of, Sink};
 
 pub const BILLING_SQL: &str = include_str!("../sql/billing.sql");
 pub const BILLING_TOP_SQL: &str = include_str!("../sql/billing_top.sql");
@@ -127,6 +132,7 @@ pub enum Param {
     UInt8(u8),
     UInt64(u64),
     ArrayUInt64(Vec<u64>),
+    Identifier(&'static str),
 }
 
 impl Param {
@@ -139,6 +145,7 @@ impl Param {
             Param::UInt8(_) => "UInt8",
             Param::UInt64(_) => "UInt64",
             Param::ArrayUInt64(_) => "Array(UInt64)",
+            Param::Identifier(_) => "Identifier",
         }
     }
 
@@ -156,6 +163,7 @@ impl Param {
                 let items: Vec<String> = v.iter().map(u64::to_string).collect();
                 format!("CAST([{}] AS Array(UInt64))", items.join(", "))
             }
+            Param::Identifier(name) => quote_ident(name),
         }
     }
 }
@@ -198,6 +206,17 @@ fn epoch_seconds(t: DateTime<Utc>, flag: &str) -> Result<u32> {
         .map_err(|_| anyhow!("--{flag} {t} is outside what ClickHouse DateTime holds (1970..2106)"))
 }
 
+/// The coarsest grain whose table answers `[from, to)` by `by` exactly: every bucket of
+/// the answer must be a whole number of its buckets, and so must the range.
+pub fn grain_for(by: By, from: u32, to: u32) -> Grain {
+    let fits = |g: Grain| from.is_multiple_of(g.seconds()) && to.is_multiple_of(g.seconds());
+    match by {
+        By::Day if fits(Grain::Day) => Grain::Day,
+        By::Day | By::Hour if fits(Grain::Hour) => Grain::Hour,
+        _ => Grain::Minute,
+    }
+}
+
 /// The billing SQL for `args`, with the values written in.
 pub fn sql(args: &QueryArgs) -> Result<String> {
     let from = epoch_seconds(args.from, "from")?;
@@ -208,7 +227,10 @@ pub fn sql(args: &QueryArgs) -> Result<String> {
     if args.only_topic.as_deref() == Some("") {
         bail!("--only-topic must not be empty (leave it out for every topic)");
     }
+    let (table, time) = table_of(grain_for(args.by, from, to));
     let mut params = vec![
+        ("table", Param::Identifier(table)),
+        ("time", Param::Identifier(time)),
         ("from", Param::DateTimeUtc(from)),
         ("to", Param::DateTimeUtc(to)),
         ("by", Param::String(args.by.as_sql().to_string())),
@@ -322,6 +344,18 @@ mod tests {
 
     fn row(ad_id: u64, bucket: &str, clicks: u64) -> BillingRow {
         BillingRow { ad_id, bucket: parse_time(bucket).unwrap().timestamp() as u32, clicks }
+    }
+
+    #[test]
+    fn the_coarsest_table_that_answers_exactly_is_read() {
+        let day = 86_400;
+        assert_eq!(grain_for(By::Day, day, 3 * day), Grain::Day);
+        assert_eq!(grain_for(By::Day, day + 3_600, 3 * day), Grain::Hour, "a partial first day");
+        assert_eq!(grain_for(By::Hour, day, 3 * day), Grain::Hour);
+        assert_eq!(grain_for(By::Hour, day + 60, 3 * day), Grain::Minute);
+        assert_eq!(grain_for(By::Minute, day, 3 * day), Grain::Minute);
+        let sql = sql(&QueryArgs { by: By::Day, ..args("2026-11-30", "2026-12-01") }).unwrap();
+        assert!(sql.contains("FROM `ad_clicks_day` FINAL") && sql.contains("toStartOfDay(`day`)"), "{sql}");
     }
 
     #[test]

@@ -28,10 +28,12 @@ use crate::aggregate::BatchOffsets;
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
 use crate::dedup::Pin;
+use crate::flusher::{Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{BatchStats, Interrupted, Stages, StagesConfig};
+use crate::pipeline::{BatchStats, FatalSignal, Stages, StagesConfig};
 use crate::position::{self, Start};
 use crate::sink::Sink;
+use crate::sink::Writer;
 use crate::source::{self, RangeReader, Ranges};
 
 #[derive(Debug, Args, Clone)]
@@ -241,9 +243,21 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     } else {
         None
     };
-    let config = StagesConfig { commit_offsets: false, ..StagesConfig::from_settings(s) };
+    let health = Health::new();
+    let fatal = FatalSignal::default();
+    let flusher = Flusher::start(FlusherConfig {
+        sink: sink.clone(),
+        topic: s.kafka.topic.clone(),
+        writer: Writer::Replay,
+        committer: None,
+        dead_letters,
+        cache: None,
+        health: health.clone(),
+        max_backoff: s.pipeline.max_backoff,
+        fatal: fatal.clone(),
+    });
     // The shared cache is never consulted: every start is private (it connects lazily).
-    let mut stages = Stages::new(config, s.shared_cache()?, s.fingerprinter(), dead_letters, sink, Health::new());
+    let mut stages = Stages::new(StagesConfig::from_settings(s), s.shared_cache()?, s.fingerprinter(), sink, health);
     stages.assign(with_pins);
 
     let group = format!("{}-replay", s.kafka.group);
@@ -253,30 +267,31 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     loop {
         let batch = tokio::select! {
             _ = shutdown.cancelled() => break,
+            message = fatal.raised() => bail!(message),
             b = reader.next_batch() => b.context("reading the topic")?,
         };
         let Some(records) = batch else { break };
-        match stages.process(reader.consumer(), records, &shutdown).await {
-            Ok(_) => {}
-            Err(Interrupted::Shutdown) => break,
-            Err(Interrupted::Fatal(e)) => return Err(e.into()),
-        }
+        // Private state only: every verdict is made in `prepare`, none comes from Redis.
+        let prepared = stages.prepare(records);
+        stages.apply(prepared, Vec::new());
         if stages.has_complete_batches() || last_flush.elapsed() >= s.pipeline.flush_interval {
-            let done = stages.flush(reader.consumer(), CommitMode::Async).await?;
-            if done {
-                last_flush = Instant::now();
-            }
+            flusher.send(stages.cut(CommitMode::Async)).await;
+            last_flush = Instant::now();
         }
         progress.update(&read, reader.positions(), &stages.totals);
     }
     let deadline = Instant::now() + s.pipeline.drain_timeout.max(Duration::from_secs(60));
-    if !stages.flush_until(deadline, reader.consumer(), CommitMode::Async).await? {
+    if !flusher.drain(stages.cut(CommitMode::Async), deadline).await {
+        flusher.abandon();
         bail!(
             "ClickHouse did not take the last rows within the drain timeout; run the replay again (it is idempotent)"
         );
     }
+    if let Ok(message) = tokio::time::timeout(Duration::ZERO, fatal.raised()).await {
+        bail!(message);
+    }
     progress.finish();
-    Ok(Summary { ranges, stats: stages.totals, rows_written: stages.rows_flushed, elapsed: started.elapsed() })
+    Ok(Summary { ranges, stats: stages.totals, rows_written: flusher.rows_flushed(), elapsed: started.elapsed() })
 }
 
 /// A bar per partition with ETA on a terminal; a log line every 5 s otherwise.

@@ -12,7 +12,7 @@ use std::time::Duration;
 use clickhouse::{Client, Compression, Row};
 use serde::{Deserialize, Serialize};
 
-use crate::aggregate::{BatchRow, BucketKey, PinRow};
+use crate::aggregate::{BatchRow, BucketKey, Grain, PinRow};
 use crate::click::Minute;
 use crate::config::ClickHouseSettings;
 use crate::dedup::Pin;
@@ -24,7 +24,17 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("001_ad_clicks_minute.sql", include_str!("../sql/001_ad_clicks_minute.sql")),
     ("002_clickagg_topics.sql", include_str!("../sql/002_clickagg_topics.sql")),
     ("003_clickagg_pins.sql", include_str!("../sql/003_clickagg_pins.sql")),
+    ("004_ad_clicks_rollups.sql", include_str!("../sql/004_ad_clicks_rollups.sql")),
 ];
+
+/// The table and time column of each grain.
+pub fn table_of(grain: Grain) -> (&'static str, &'static str) {
+    match grain {
+        Grain::Minute => (TABLE, "minute"),
+        Grain::Hour => ("ad_clicks_hour", "hour"),
+        Grain::Day => ("ad_clicks_day", "day"),
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum SinkError {
@@ -95,16 +105,38 @@ pub fn stored_version(offset: i64, writer: Writer) -> u64 {
     (offset.max(0) as u64) * 2 + writer as u64
 }
 
-#[derive(Row, Serialize)]
-struct RowOut<'a> {
-    ad_id: u64,
-    minute: u32,
-    topic: &'a str,
-    partition: u32,
-    batch_start: u64,
-    clicks: u64,
-    version: u64,
+/// A row of each table; the time column is named after its grain.
+macro_rules! row_out {
+    ($name:ident, $time:ident) => {
+        #[derive(Row, Serialize)]
+        struct $name<'a> {
+            ad_id: u64,
+            $time: u32,
+            topic: &'a str,
+            partition: u32,
+            batch_start: u64,
+            clicks: u64,
+            version: u64,
+        }
+
+        impl<'a> $name<'a> {
+            fn of(r: &BatchRow, topic: &'a str, writer: Writer) -> Self {
+                $name {
+                    ad_id: r.key.ad_id,
+                    $time: r.key.minute.epoch_seconds(),
+                    topic,
+                    partition: r.partition as u32,
+                    batch_start: r.batch_start as u64,
+                    clicks: r.clicks,
+                    version: stored_version(r.version, writer),
+                }
+            }
+        }
+    };
 }
+row_out!(MinuteOut, minute);
+row_out!(HourOut, hour);
+row_out!(DayOut, day);
 
 #[derive(Row, Serialize, Deserialize)]
 struct PinOut<'a> {
@@ -135,14 +167,18 @@ pub struct Sink {
 
 impl Sink {
     pub fn new(s: &ClickHouseSettings) -> Sink {
+        // Idle connections close before ClickHouse's own 3 s keep-alive timeout does.
+        let builder = || {
+            let mut b = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
+            b.pool_idle_timeout(Duration::from_secs(2));
+            b
+        };
         let base = match &s.tls_ca_file {
-            None => Client::default(),
-            // Idle connections close before ClickHouse's own 3 s keep-alive timeout does.
-            Some(ca) => Client::with_http_client(
-                hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-                    .pool_idle_timeout(Duration::from_secs(2))
-                    .build(https_connector_trusting(ca)),
-            ),
+            Some(ca) => Client::with_http_client(builder().build(https_connector_trusting(ca))),
+            None if s.url.starts_with("https://") => Client::default(),
+            // Plain HTTP needs no TLS connector, whose set-up (loading the system's CA
+            // bundle) costs a `clickagg query` about 60 ms of its start-up.
+            None => Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new())),
         };
         let mut server = base
             .with_url(s.url.as_str())
@@ -196,7 +232,35 @@ impl Sink {
             }
             applied.push(*name);
         }
+        for grain in [Grain::Hour, Grain::Day] {
+            if self.backfill(grain).await? {
+                applied.push(match grain {
+                    Grain::Hour => "backfill of ad_clicks_hour",
+                    _ => "backfill of ad_clicks_day",
+                });
+            }
+        }
         Ok(applied)
+    }
+
+    /// Fills an empty roll-up from the minute rows: per batch and hour (or day), the sum
+    /// of the batch's latest minute rows, with the latest of their versions. Returns
+    /// whether it wrote anything.
+    async fn backfill(&self, grain: Grain) -> Result<bool, SinkError> {
+        let (table, time) = table_of(grain);
+        let count = |t: &str| format!("SELECT count() FROM {t}");
+        let empty = self.timed(self.client.query(&count(table)).fetch_one::<u64>()).await? == 0;
+        if !empty || self.timed(self.client.query(&count(TABLE)).fetch_one::<u64>()).await? == 0 {
+            return Ok(false);
+        }
+        let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
+        self.execute(&format!(
+            "INSERT INTO {table} (ad_id, {time}, topic, partition, batch_start, clicks, version) \
+             SELECT ad_id, {start}(minute) AS {time}, topic, partition, batch_start, sum(clicks), max(version) \
+             FROM {TABLE} FINAL GROUP BY ad_id, {time}, topic, partition, batch_start"
+        ))
+        .await?;
+        Ok(true)
     }
 
     /// Round trip for readiness checks.
@@ -247,27 +311,37 @@ impl Sink {
     }
 
     /// Writes one flush. Idempotent: the rows carry their batch ID and version.
+    /// Rows of every grain go to their table: the roll-ups first, the minute rows last,
+    /// so that once the minute rows are there, so is everything derived from them.
     pub async fn insert(&self, topic: &str, rows: &[BatchRow], writer: Writer) -> Result<(), SinkError> {
         if rows.is_empty() {
             return Ok(());
         }
         tracing::debug!(rows = rows.len(), "flushing");
+        let of = |g: Grain| rows.iter().filter(move |r| r.grain == g);
         let write = async {
-            let mut insert = self.client.insert::<RowOut>(TABLE).await?;
-            for r in rows {
-                insert
-                    .write(&RowOut {
-                        ad_id: r.key.ad_id,
-                        minute: r.key.minute.epoch_seconds(),
-                        topic,
-                        partition: r.partition as u32,
-                        batch_start: r.batch_start as u64,
-                        clicks: r.clicks,
-                        version: stored_version(r.version, writer),
-                    })
-                    .await?;
+            if of(Grain::Day).next().is_some() {
+                let mut insert = self.client.insert::<DayOut>(table_of(Grain::Day).0).await?;
+                for r in of(Grain::Day) {
+                    insert.write(&DayOut::of(r, topic, writer)).await?;
+                }
+                insert.end().await?;
             }
-            insert.end().await
+            if of(Grain::Hour).next().is_some() {
+                let mut insert = self.client.insert::<HourOut>(table_of(Grain::Hour).0).await?;
+                for r in of(Grain::Hour) {
+                    insert.write(&HourOut::of(r, topic, writer)).await?;
+                }
+                insert.end().await?;
+            }
+            if of(Grain::Minute).next().is_some() {
+                let mut insert = self.client.insert::<MinuteOut>(TABLE).await?;
+                for r in of(Grain::Minute) {
+                    insert.write(&MinuteOut::of(r, topic, writer)).await?;
+                }
+                insert.end().await?;
+            }
+            Ok(())
         };
         self.timed(write).await
     }
@@ -430,6 +504,13 @@ mod tests {
             clickhouse::error::Error::BadResponse("Code: 202. DB::Exception: Too many simultaneous queries".into());
         assert!(!classify(busy).is_fatal());
         assert!(!classify(clickhouse::error::Error::TimedOut).is_fatal());
+    }
+
+    #[test]
+    fn every_grain_has_its_table() {
+        let tables: Vec<&str> = Grain::ALL.iter().map(|&g| table_of(g).0).collect();
+        assert_eq!(tables, ["ad_clicks_minute", "ad_clicks_hour", "ad_clicks_day"]);
+        assert_eq!(statements(MIGRATIONS[3].1).len(), 2);
     }
 
     #[test]

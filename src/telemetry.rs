@@ -26,6 +26,13 @@ pub const RECORD_LAG: &str = "clickagg_record_lag_seconds";
 pub const DEDUP_REBUILDS: &str = "clickagg_dedup_rebuilds_total";
 pub const DEDUP_SWEPT: &str = "clickagg_dedup_entries_swept_total";
 pub const FLUSH_DURATION: &str = "clickagg_flush_duration_seconds";
+/// Seconds from a counted click's record timestamp until the flush holding it is durable
+/// (from then on `query` sees it).
+pub const FRESHNESS: &str = "clickagg_freshness_seconds";
+/// Unix time of the last durable flush that covered a partition.
+pub const LAST_FLUSH: &str = "clickagg_last_flush_timestamp_seconds";
+/// 1 when `/readyz` says ready.
+pub const READY: &str = "clickagg_ready";
 pub const FLUSHES: &str = "clickagg_flushes_total";
 pub const ROWS_FLUSHED: &str = "clickagg_rows_flushed_total";
 pub const COMMITTED_OFFSET: &str = "clickagg_committed_offset";
@@ -44,6 +51,9 @@ pub const PAUSED: &str = "clickagg_consumption_paused";
 /// struggling server seconds.
 const FLUSH_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0];
 
+/// Freshness buckets, seconds: the target is the flush interval plus a second.
+const FRESHNESS_BUCKETS: &[f64] = &[0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0];
+
 static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the Prometheus recorder once per process and returns its handle.
@@ -52,6 +62,8 @@ pub fn metrics() -> PrometheusHandle {
         .get_or_init(|| {
             PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.to_string()), FLUSH_BUCKETS)
+                .expect("buckets are not empty")
+                .set_buckets_for_metric(Matcher::Full(FRESHNESS.to_string()), FRESHNESS_BUCKETS)
                 .expect("buckets are not empty")
                 .install_recorder()
                 .expect("the Prometheus recorder is installed once")

@@ -416,3 +416,64 @@ pub async fn sweep_forever(
         cursor = if end >= shards { 0 } else { end };
     }
 }
+
+/// The claim task of a member: applies each poll batch's claims in the order they were
+/// handed over (the cache's decisions depend on that order), retrying while Redis is
+/// unavailable — dedup is never skipped — so the member can decode the next poll batch
+/// while one is in flight. The verdicts come back in the same order on the receiver
+/// `start` returns, one answer per batch (a batch without claims is answered at once,
+/// in its turn).
+pub struct Claimer {
+    tx: tokio::sync::mpsc::Sender<Vec<Claim>>,
+}
+
+/// The verdicts of the handed-over batches, in order.
+pub type Verdicts = tokio::sync::mpsc::Receiver<Result<Vec<Verdict>, DedupError>>;
+
+impl Claimer {
+    pub fn start(
+        mut cache: SharedCache,
+        max_backoff: Duration,
+        health: std::sync::Arc<crate::health::Health>,
+    ) -> (Claimer, Verdicts) {
+        use crate::telemetry as t;
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Claim>>(4);
+        let (answer_tx, answers) = tokio::sync::mpsc::channel(4);
+        tokio::spawn(async move {
+            let log_limit = t::RateLimiter::new(Duration::from_secs(5));
+            while let Some(claims) = rx.recv().await {
+                let mut backoff = crate::pipeline::Backoff::new(max_backoff);
+                let answer = loop {
+                    match cache.claim(&claims).await {
+                        Ok(v) => {
+                            health.set_redis(true);
+                            break Ok(v);
+                        }
+                        Err(e) if e.is_fatal() => break Err(e),
+                        Err(e) => {
+                            health.set_redis(false);
+                            metrics::counter!(t::REDIS_ERRORS).increment(1);
+                            metrics::counter!(t::REDIS_RETRIES).increment(1);
+                            if log_limit.allow("redis", std::time::Instant::now()).is_some() {
+                                tracing::warn!(error = %e, "dedup failed; retrying with backoff");
+                            }
+                            if answer_tx.is_closed() {
+                                return; // nobody waits any more (shutdown)
+                            }
+                            tokio::time::sleep(backoff.next_delay()).await;
+                        }
+                    }
+                };
+                if answer_tx.send(answer).await.is_err() {
+                    return;
+                }
+            }
+        });
+        (Claimer { tx }, answers)
+    }
+
+    /// Hands one poll batch's claims over (waiting while four are queued).
+    pub async fn claim(&self, claims: Vec<Claim>) {
+        let _ = self.tx.send(claims).await;
+    }
+}

@@ -147,7 +147,14 @@ async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
 
     // Corrupt one bucket: a row for a batch that never existed, with a huge version.
     let (key, clicks) = truth.counts.iter().next().map(|(k, c)| (*k, *c)).unwrap();
-    let forged = BatchRow { key, partition: 0, batch_start: 999_999_000, clicks: 5, version: i64::MAX - 1 };
+    let forged = BatchRow {
+        grain: clickagg::aggregate::Grain::Minute,
+        key,
+        partition: 0,
+        batch_start: 999_999_000,
+        clicks: 5,
+        version: i64::MAX - 1,
+    };
     env.sink().insert(&env.topic, &[forged], Writer::Member).await.unwrap();
     let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 1).await;
     assert!(out.contains("1 ad-minutes differ"), "{out}");

@@ -55,7 +55,7 @@ async fn compare(seed: u64) {
     let mut model = Model::default();
     let mut rng = StdRng::seed_from_u64(seed);
     // Few click IDs over few shards, so that entries collect several partitions' chains.
-    let ids: Vec<Fingerprint> = (0..40u128).map(|i| Fingerprint((i % 5) << 96 | i * 7919)).collect();
+    let ids: Vec<Fingerprint> = (0..40u128).map(|i| Fingerprint(((i % 5) << 96) | (i * 7919))).collect();
     let mut next: HashMap<i32, i64> = HashMap::new();
     let mut clock: HashMap<i32, u32> = HashMap::new();
     let mut checked = 0;

@@ -6,11 +6,11 @@ use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use clickagg::aggregate::{BatchRow, BucketKey};
+use clickagg::aggregate::{BatchRow, BucketKey, Grain};
 use clickagg::click::Minute;
 use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
-use clickagg::sink::Writer;
+use clickagg::sink::{table_of, Writer};
 use clickhouse::Row;
 use serde::Deserialize;
 
@@ -302,72 +302,102 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
     // Rows of another topic count by default and are left out with --only-topic.
     let other_minute = Minute::from_epoch_seconds(midnight + 10 * MINUTE);
     let other = BatchRow {
+        grain: Grain::Minute,
         key: BucketKey { ad_id: popular[0], minute: other_minute },
         partition: 0,
         batch_start: 0,
         clicks: 1_000,
         version: 5,
     };
-    env.sink().insert("another-topic", &[other], Writer::Member).await.unwrap();
+    env.sink().insert("another-topic", &every_grain(&other), Writer::Member).await.unwrap();
     let mut with_other = truth.counts.clone();
     *with_other.entry(BucketKey { ad_id: popular[0], minute: other_minute }).or_default() += 1_000;
     assert_case(&env, &with_other, &cases[3]);
     let only = parse_json(&run_query(&env, &cases[3], "json", &["--only-topic", &env.topic]));
     assert_rows(&only, &expected(&truth.counts, &cases[3]), "--only-topic leaves the other topic out");
 
-    // Stale copies of stored rows: a zombie's lower-version write with a *larger* count
-    // (so neither a double sum nor max(clicks) could hide) and an exact repeat. Merges
-    // are stopped so the copies stay in their own parts and only FINAL can drop them.
+    // Stale copies of stored rows, in every table: a zombie's lower-version write with a
+    // *larger* count (so neither a double sum nor max(clicks) could hide) and an exact
+    // repeat. Merges are stopped so the copies stay in their own parts and only FINAL
+    // can drop them.
     let sink = env.sink();
-    sink.execute("SYSTEM STOP MERGES ad_clicks_minute").await.unwrap();
-    let stored: Vec<StoredRow> = sink
-        .client()
-        .query(&format!(
-            "SELECT ad_id, toUInt32(minute) AS minute, partition, batch_start, clicks, version \
-             FROM ad_clicks_minute FINAL WHERE topic = '{}' AND version > batch_start ORDER BY ad_id, minute LIMIT 50",
-            env.topic
-        ))
-        .fetch_all()
-        .await
-        .unwrap();
-    assert_eq!(stored.len(), 50);
-    let stale: Vec<BatchRow> = stored
-        .iter()
-        .flat_map(|r| {
-            let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
-            let row = |clicks, version| BatchRow {
-                key,
-                partition: r.partition as i32,
-                batch_start: r.batch_start as i64,
-                clicks,
-                version,
-            };
-            // Stored versions are twice the offset plus the writer's rank (`sink::stored_version`).
-            let offset = (r.version / 2) as i64;
-            [row(r.clicks + 1_000, offset - 1), row(r.clicks, offset)]
-        })
-        .collect();
-    sink.insert(&env.topic, &stale, Writer::Member).await.unwrap();
+    for grain in Grain::ALL {
+        let (table, time) = table_of(grain);
+        sink.execute(&format!("SYSTEM STOP MERGES {table}")).await.unwrap();
+        let stored: Vec<StoredRow> = sink
+            .client()
+            .query(&format!(
+                "SELECT ad_id, toUInt32({time}) AS minute, partition, batch_start, clicks, version \
+                 FROM {table} FINAL WHERE topic = '{}' ORDER BY ad_id, minute LIMIT 50",
+                env.topic
+            ))
+            .fetch_all()
+            .await
+            .unwrap();
+        assert_eq!(stored.len(), 50, "{table}");
+        let stale: Vec<BatchRow> = stored
+            .iter()
+            .flat_map(|r| {
+                let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
+                let row = |clicks, version| BatchRow {
+                    grain,
+                    key,
+                    partition: r.partition as i32,
+                    batch_start: r.batch_start as i64,
+                    clicks,
+                    version,
+                };
+                // Stored versions are twice the offset plus the writer's rank (`sink::stored_version`).
+                let offset = (r.version / 2) as i64;
+                [row(r.clicks + 1_000, offset - 1), row(r.clicks, offset)]
+            })
+            .collect();
+        sink.insert(&env.topic, &stale, Writer::Member).await.unwrap();
+    }
     let (raw, fin) = raw_and_final_sums(&env).await;
     assert!(raw > fin, "the stale rows are stored ({raw} without FINAL, {fin} with)");
     for case in &cases {
         assert_case(&env, &with_other, case);
     }
-    sink.execute("SYSTEM START MERGES ad_clicks_minute").await.unwrap();
+    for grain in Grain::ALL {
+        sink.execute(&format!("SYSTEM START MERGES {}", table_of(grain).0)).await.unwrap();
+    }
+}
+
+/// A minute row with the hourly and daily rows it rolls up into (one minute: the same
+/// counts and versions).
+fn every_grain(row: &BatchRow) -> Vec<BatchRow> {
+    Grain::ALL
+        .iter()
+        .map(|&grain| BatchRow {
+            grain,
+            key: BucketKey { minute: grain.truncate(row.key.minute), ..row.key },
+            ..row.clone()
+        })
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
     let env = TestEnv::new("queryversions").await;
     let sink = env.sink();
-    sink.execute("SYSTEM STOP MERGES ad_clicks_minute").await.unwrap();
+    for grain in Grain::ALL {
+        sink.execute(&format!("SYSTEM STOP MERGES {}", table_of(grain).0)).await.unwrap();
+    }
     let minute = Minute::from_epoch_seconds(1_795_996_800 + 8 * HOUR); // 2026-11-30T08:00:00Z
     let key = BucketKey { ad_id: 17, minute };
-    let row = |batch_start, clicks, version| BatchRow { key, partition: 0, batch_start, clicks, version };
+    let row = |batch_start, clicks, version| BatchRow {
+        grain: Grain::Minute,
+        key,
+        partition: 0,
+        batch_start,
+        clicks,
+        version,
+    };
     // Batch 0 flushed at offsets 5 and 9, then a zombie replays offset 7; batch 1000
-    // holds 2 more clicks of the same minute. One insert each: one part each.
+    // holds 2 more clicks of the same minute. One insert each: one part each (per table).
     for r in [row(0, 3, 5), row(0, 5, 9), row(0, 4, 7), row(1_000, 2, 1_500)] {
-        sink.insert(&env.topic, &[r], Writer::Member).await.unwrap();
+        sink.insert(&env.topic, &every_grain(&r), Writer::Member).await.unwrap();
     }
     assert_eq!(raw_and_final_sums(&env).await, (14, 7));
 
@@ -390,5 +420,7 @@ async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
     }
     let top = query::query(&sink, &QueryArgs { top: Some(1), ..args(By::Day) }).await.unwrap();
     assert_eq!(top.iter().map(|r| r.clicks).sum::<u64>(), 7);
-    sink.execute("SYSTEM START MERGES ad_clicks_minute").await.unwrap();
+    for grain in Grain::ALL {
+        sink.execute(&format!("SYSTEM START MERGES {}", table_of(grain).0)).await.unwrap();
+    }
 }

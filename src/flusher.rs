@@ -1,0 +1,291 @@
+//! The flusher: the one task that makes flushes durable, and the one owner of commits.
+//!
+//! Flushes arrive in order on a bounded channel. Each is written completely — its dead
+//! letters acknowledged, its pins, then its rows (roll-ups first) — and only then are
+//! the offsets it allows committed, and only then does the next flush start: a later
+//! flush's commits assume the earlier rows are durable (DESIGN.md §3). Meanwhile the
+//! member goes on reading and deciding. When the channel is full the member waits to
+//! hand over its next flush, its unflushed state grows, and at
+//! `pipeline.max_unflushed_buckets` it pauses consumption.
+//!
+//! A revoke or a shutdown drains the flusher ([`Flusher::drain`]) before the partitions
+//! are released. Transient failures (ClickHouse down, the dead-letter topic's broker
+//! restarting) are retried with backoff, holding back every later flush; a fatal one
+//! ends the task and stops the member.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::CommitMode;
+use rdkafka::error::KafkaResult;
+use tokio::sync::{mpsc, oneshot};
+use tracing::{debug, info_span, warn, Instrument};
+
+use crate::aggregate::Flush;
+use crate::dead_letter::DeadLetters;
+use crate::dedup::{Secs, SharedCache};
+use crate::health::Health;
+use crate::pipeline::{Backoff, FatalSignal};
+use crate::sink::{Sink, SinkError, Writer};
+use crate::source::Record;
+use crate::telemetry::{self as t, RateLimiter};
+
+/// One flush on its way to ClickHouse.
+pub struct Job {
+    pub flush: Flush,
+    /// Rejected records read before this flush was cut: acknowledged before its commit.
+    pub dead_letters: Vec<Record>,
+    /// Counted clicks by record time (s): how fresh the counts are once durable.
+    pub freshness: BTreeMap<Secs, u64>,
+    /// Minute buckets this flush carries, for the member's unflushed count.
+    pub buckets: usize,
+    /// `Sync` for revokes and shutdown: the commit must be done when the drain ends.
+    pub commit_mode: CommitMode,
+}
+
+/// Sends the commits a durable flush allows (the group consumer's `commit`).
+pub type Committer = Box<dyn Fn(&BTreeMap<i32, i64>, CommitMode) -> KafkaResult<()> + Send + Sync>;
+
+enum Message {
+    Job(Box<Job>),
+    /// Answered once every job before it is durable and committed.
+    Barrier(oneshot::Sender<()>),
+}
+
+/// What the flusher task needs.
+pub struct FlusherConfig {
+    pub sink: Sink,
+    pub topic: String,
+    pub writer: Writer,
+    /// `None` for a replay: it owns no group offsets.
+    pub committer: Option<Committer>,
+    pub dead_letters: Option<DeadLetters>,
+    /// Trims the cross-partition decisions a durable flush recorded from the cache.
+    pub cache: Option<SharedCache>,
+    pub health: Arc<Health>,
+    pub max_backoff: Duration,
+    pub fatal: FatalSignal,
+}
+
+/// The member's handle on the flusher task.
+pub struct Flusher {
+    tx: mpsc::Sender<Message>,
+    shared: Arc<Shared>,
+}
+
+struct Shared {
+    /// Minute buckets handed over and not durable yet.
+    buckets: AtomicUsize,
+    /// Partitions whose commits may still be sent (ours). A job cut before a partition
+    /// was lost must not commit it.
+    owned: Mutex<BTreeSet<i32>>,
+    /// Set when the drain timed out: nothing more is written or committed.
+    abandoned: AtomicBool,
+    rows_flushed: AtomicUsize,
+}
+
+impl Flusher {
+    /// Starts the task; it runs until the handle is dropped (or a fatal error).
+    pub fn start(config: FlusherConfig) -> Flusher {
+        // Two flushes in the queue: enough to overlap the next insert with reading,
+        // few enough that a ClickHouse outage stops the member early (backpressure).
+        let (tx, rx) = mpsc::channel(2);
+        let shared = Arc::new(Shared {
+            buckets: AtomicUsize::new(0),
+            owned: Mutex::new(BTreeSet::new()),
+            abandoned: AtomicBool::new(false),
+            rows_flushed: AtomicUsize::new(0),
+        });
+        tokio::spawn(run(config, rx, shared.clone()));
+        Flusher { tx, shared }
+    }
+
+    /// Whether a flush handed over now would be queued at once. The loop cuts a flush
+    /// only then: while ClickHouse is down the state stays in the aggregator, where it
+    /// counts towards pausing consumption, and the loop keeps serving the group.
+    pub fn has_room(&self) -> bool {
+        self.tx.capacity() > 0
+    }
+
+    /// Hands a flush over, waiting while the queue is full.
+    pub async fn send(&self, job: Job) {
+        if job.flush.is_empty() && job.dead_letters.is_empty() {
+            return;
+        }
+        self.shared.buckets.fetch_add(job.buckets, Ordering::Relaxed);
+        // The task only ends with the member (or fatally, which the member sees).
+        let _ = self.tx.send(Message::Job(Box::new(job))).await;
+    }
+
+    /// Hands the last flush over and waits until everything handed over is durable and
+    /// committed; `false` when the deadline passed first.
+    pub async fn drain(&self, last: Job, deadline: Instant) -> bool {
+        let (tx, rx) = oneshot::channel();
+        let wait = async {
+            self.send(last).await;
+            self.tx.send(Message::Barrier(tx)).await.is_ok() && rx.await.is_ok()
+        };
+        tokio::time::timeout_at(deadline.into(), wait).await.unwrap_or(false)
+    }
+
+    /// Nothing more is written or committed (the drain timed out, or a fatal error).
+    pub fn abandon(&self) {
+        self.shared.abandoned.store(true, Ordering::Relaxed);
+    }
+
+    /// Minute buckets handed over and not durable yet.
+    pub fn buckets_in_flight(&self) -> usize {
+        self.shared.buckets.load(Ordering::Relaxed)
+    }
+
+    pub fn rows_flushed(&self) -> u64 {
+        self.shared.rows_flushed.load(Ordering::Relaxed) as u64
+    }
+
+    /// The partitions whose commits may be sent.
+    pub fn set_owned(&self, partitions: impl IntoIterator<Item = i32>) {
+        *self.shared.owned.lock().expect("not poisoned") = partitions.into_iter().collect();
+    }
+}
+
+async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<Shared>) {
+    let log_limit = RateLimiter::new(Duration::from_secs(5));
+    while let Some(message) = rx.recv().await {
+        let job = match message {
+            Message::Barrier(done) => {
+                let _ = done.send(());
+                continue;
+            }
+            Message::Job(job) => job,
+        };
+        if shared.abandoned.load(Ordering::Relaxed) {
+            shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
+            continue;
+        }
+        match write(&mut c, &job, &shared, &log_limit).await {
+            Ok(true) => commit(&mut c, &job, &shared).await,
+            Ok(false) => {} // abandoned: the job is not durable, nothing is committed
+            Err(e) => {
+                shared.abandoned.store(true, Ordering::Relaxed);
+                c.fatal.raise(e);
+            }
+        }
+        shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
+    }
+}
+
+/// Makes one job durable, retrying transient failures; `Ok(false)` if abandoned first.
+async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &RateLimiter) -> Result<bool, String> {
+    let f = &job.flush;
+    let span = info_span!("flush", rows = f.rows.len(), pins = f.pins.len(), dead_letters = job.dead_letters.len(), commits = ?f.commits);
+    let mut backoff = Backoff::new(c.max_backoff);
+    async {
+        if let Some(dl) = &mut c.dead_letters {
+            let rejected: Vec<&Record> = job.dead_letters.iter().collect();
+            loop {
+                match dl.send(&rejected).await {
+                    Ok(n) => {
+                        metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
+                        break;
+                    }
+                    Err(e) => {
+                        metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
+                        if log_limit.allow("dead_letter", Instant::now()).is_some() {
+                            warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying with a new producer");
+                        }
+                        if let Err(e) = dl.renew() {
+                            warn!(error = %e, "could not create a dead-letter producer");
+                        }
+                        if !pause(&mut backoff, shared).await {
+                            return Ok(false);
+                        }
+                    }
+                }
+            }
+            backoff.reset();
+        }
+        loop {
+            let started = Instant::now();
+            let result = async {
+                c.sink.insert_pins(&c.topic, &f.pins).await?;
+                c.sink.insert(&c.topic, &f.rows, c.writer).await
+            }
+            .await;
+            match result {
+                Ok(()) => {
+                    metrics::histogram!(t::FLUSH_DURATION).record(started.elapsed().as_secs_f64());
+                    metrics::counter!(t::FLUSHES).increment(1);
+                    metrics::counter!(t::ROWS_FLUSHED).increment(f.rows.len() as u64);
+                    shared.rows_flushed.fetch_add(f.rows.len(), Ordering::Relaxed);
+                    c.health.set_clickhouse(true);
+                    debug!(elapsed_ms = started.elapsed().as_millis() as u64, "flushed");
+                    return Ok(true);
+                }
+                Err(e) if e.is_fatal() => return Err(SinkError::to_string(&e)),
+                Err(e) => {
+                    c.health.set_clickhouse(false);
+                    metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
+                    metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
+                    if log_limit.allow("clickhouse", Instant::now()).is_some() {
+                        warn!(error = %e, "flush failed; keeping the rows and retrying");
+                    }
+                    if !pause(&mut backoff, shared).await {
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Waits out one backoff step; `false` once the flusher is abandoned (a drain that
+/// timed out). A shutdown alone lets the queued flushes finish: that is the drain.
+async fn pause(backoff: &mut Backoff, shared: &Shared) -> bool {
+    tokio::time::sleep(backoff.next_delay()).await;
+    !shared.abandoned.load(Ordering::Relaxed)
+}
+
+/// Commits what the durable job allows, for the partitions still ours, and records how
+/// fresh the counts it made visible are.
+async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
+    let now = chrono::Utc::now().timestamp_millis() as f64 / 1000.0;
+    for (&secs, &n) in &job.freshness {
+        metrics::histogram!(t::FRESHNESS).record_many((now - f64::from(secs)).max(0.0), n as usize);
+    }
+    let commits: BTreeMap<i32, i64> = {
+        let owned = shared.owned.lock().expect("not poisoned");
+        job.flush.commits.iter().filter(|(p, _)| owned.contains(p)).map(|(&p, &o)| (p, o)).collect()
+    };
+    for p in commits.keys() {
+        metrics::gauge!(t::LAST_FLUSH, "partition" => p.to_string()).set(now);
+    }
+    let Some(committer) = &c.committer else { return };
+    if commits.is_empty() || shared.abandoned.load(Ordering::Relaxed) {
+        return;
+    }
+    match committer(&commits, job.commit_mode) {
+        Ok(()) => {
+            for (&p, &offset) in &commits {
+                metrics::gauge!(t::COMMITTED_OFFSET, "partition" => p.to_string()).set(offset as f64);
+            }
+            debug!(?commits, "committed");
+        }
+        Err(e) => {
+            // Harmless for correctness: the next commit covers it, or the batch is re-read.
+            metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
+            warn!(error = %e, "offset commit failed");
+        }
+    }
+    if !job.flush.pins.is_empty() {
+        if let Some(cache) = &mut c.cache {
+            // The pins are durable now; their cached copies below the commits can go.
+            if let Err(e) = cache.trim_cached_pins(&commits).await {
+                warn!(error = %e, "could not trim cached cross-partition decisions; they are trimmed later");
+            }
+        }
+    }
+}
