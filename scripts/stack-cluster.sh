@@ -3,6 +3,7 @@
 # scripts/stack (not a command of its own; it uses the helpers defined there):
 #
 #   zookeeper           one standalone Apache ZooKeeper (jars from Maven Central)
+#   kafka-cluster       three KRaft nodes, each broker and controller (node ids 1..3)
 #
 # Node N of a service is SERVICE:N (e.g. kafka-cluster:2); every node has its own PID
 # file, data and logs below $CLICKAGG_STACK_DIR/SERVICE/nodeN. A port setting is either
@@ -134,4 +135,173 @@ zookeeper_status() {
   if pid=$(own_pid "$(zookeeper_pidfile)" "$(zookeeper_match)") && zk_serving; then
     echo "zookeeper             up    pid $pid  127.0.0.1:$ZOOKEEPER_PORT"
   else echo "zookeeper             down  127.0.0.1:$ZOOKEEPER_PORT"; return 1; fi
+}
+
+# --- Kafka cluster (three KRaft nodes, each broker and controller) --------------------
+
+KAFKA_CLUSTER_PORT=${KAFKA_CLUSTER_PORT:-19092}
+KAFKA_CLUSTER_CONTROLLER_PORT=${KAFKA_CLUSTER_CONTROLLER_PORT:-19192}
+KAFKA_CLUSTER_HEAP=${KAFKA_CLUSTER_HEAP:-384m}
+CLUSTER_SERVICES+=(kafka-cluster)
+kc_dir="$STACK_DIR/kafka-cluster"
+kafka_cluster_nodes() { echo 1 2 3; }
+kafka_cluster_pidfile() { echo "$kc_dir/node$1/kafka.pid"; }
+kafka_cluster_match() { echo "$kc_dir/node$1/server.properties"; }
+kafka_cluster_datadir() { echo "$kc_dir"; }
+kafka_cluster_check() {
+  local n
+  for n in $(kafka_cluster_nodes); do
+    port_of KAFKA_CLUSTER_PORT "$n" >/dev/null; port_of KAFKA_CLUSTER_CONTROLLER_PORT "$n" >/dev/null
+  done
+}
+kafka_cluster_env() {
+  echo "# Kafka: three brokers (node.id 1..3), replication factor 3, min.insync.replicas 2"
+  echo "export CLICKAGG__KAFKA__BROKERS=$(kc_bootstrap)"
+}
+kc_port() { port_of KAFKA_CLUSTER_PORT "$1"; }
+kc_controller_port() { port_of KAFKA_CLUSTER_CONTROLLER_PORT "$1"; }
+kc_bootstrap() {
+  local n list=""
+  for n in $(kafka_cluster_nodes); do list+="${list:+,}127.0.0.1:$(kc_port "$n")"; done
+  echo "$list"
+}
+# kc_started N OFFSET: node N logged "Kafka Server started" past OFFSET of its log.
+kc_started() { logged_since "$kc_dir/node$1/logs/server.log" "$2" 'Kafka Server started'; }
+
+kafka_cluster_config() {
+  local n=$1 d="$kc_dir/node$1" voters="" v
+  mkdir -p "$d/data" "$d/logs"
+  for v in $(kafka_cluster_nodes); do voters+="${voters:+,}$v@127.0.0.1:$(kc_controller_port "$v")"; done
+  cat >"$d/server.properties" <<EOP
+# Written by scripts/stack: node $n of a three-node KRaft cluster, broker and controller.
+process.roles=broker,controller
+node.id=$n
+controller.quorum.voters=$voters
+listeners=PLAINTEXT://127.0.0.1:$(kc_port "$n"),CONTROLLER://127.0.0.1:$(kc_controller_port "$n")
+advertised.listeners=PLAINTEXT://127.0.0.1:$(kc_port "$n")
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$d/data
+num.partitions=4
+auto.create.topics.enable=true
+# Every topic (the click and dead-letter topics included) on all three brokers, and an
+# acks=all write durable on two of them: one broker may die without losing a record.
+default.replication.factor=3
+min.insync.replicas=2
+unclean.leader.election.enable=false
+offsets.topic.replication.factor=3
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=3
+transaction.state.log.min.isr=2
+share.coordinator.state.topic.replication.factor=3
+share.coordinator.state.topic.min.isr=2
+group.initial.rebalance.delay.ms=0
+log.retention.hours=-1
+log.segment.bytes=268435456
+EOP
+  cat >"$d/log4j2.xml" <<EOP
+<?xml version="1.0" encoding="UTF-8"?>
+<Configuration status="WARN">
+  <Appenders>
+    <File name="server" fileName="$d/logs/server.log">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+    </File>
+  </Appenders>
+  <Loggers>
+    <Root level="INFO"><AppenderRef ref="server"/></Root>
+    <Logger name="kafka.request.logger" level="WARN"/>
+    <Logger name="org.apache.kafka.controller" level="WARN"/>
+    <Logger name="state.change.logger" level="WARN"/>
+  </Loggers>
+</Configuration>
+EOP
+}
+
+# kafka_cluster_format N: format node N's log directory with the cluster's one id (made
+# once, kept in $kc_dir/cluster.id), so a node whose data was deleted rejoins the cluster.
+kafka_cluster_format() {
+  local n=$1 d="$kc_dir/node$1"
+  [ -f "$d/data/meta.properties" ] && return 0
+  java -Dlog4j2.configurationFile="$repo/scripts/kafka/log4j2-tools.xml" -cp "$kafka_libs/*" \
+    kafka.tools.StorageTool format -t "$(cat "$kc_dir/cluster.id")" -c "$d/server.properties" \
+    >>"$d/logs/format.log" 2>&1 || die "kafka-cluster:$n: formatting the KRaft log failed, see $d/logs/format.log"
+}
+
+kafka_cluster_up() {
+  kafka_install
+  local n pid d started=() offsets=()
+  for n in $(node_list kafka-cluster 3 "${1:-}"); do
+    d="$kc_dir/node$n"
+    if pid=$(own_pid "$(kafka_cluster_pidfile "$n")" "$(kafka_cluster_match "$n")") && port_open "$(kc_port "$n")"; then
+      log "kafka-cluster:$n: already running (pid $pid, 127.0.0.1:$(kc_port "$n"))"
+      continue
+    fi
+    [ -n "$pid" ] && die "kafka-cluster:$n: pid $pid runs but does not listen on $(kc_port "$n"); stop it with: scripts/stack down kafka-cluster:$n"
+    for port in "$(kc_port "$n")" "$(kc_controller_port "$n")"; do
+      port_open "$port" && die "kafka-cluster:$n: port $port is taken by a process this script did not start; set KAFKA_CLUSTER_PORT and KAFKA_CLUSTER_CONTROLLER_PORT"
+    done
+    kafka_cluster_config "$n"
+    started+=("$n")
+  done
+  [ ${#started[@]} -gt 0 ] || return 0
+  if [ ! -s "$kc_dir/cluster.id" ]; then
+    java -cp "$kafka_libs/*" kafka.tools.StorageTool random-uuid >"$kc_dir/cluster.id" 2>"$kc_dir/random-uuid.log" \
+      || die "kafka-cluster: could not generate a cluster id, see $kc_dir/random-uuid.log"
+  fi
+  local jobs=()
+  for n in "${started[@]}"; do kafka_cluster_format "$n" & jobs+=($!); done
+  for pid in "${jobs[@]}"; do wait "$pid" || exit 1; done
+  # All at once: a broker reports started only once a quorum of controllers (two of
+  # the three nodes) elected a leader, so one node alone never gets there.
+  for n in "${started[@]}"; do
+    d="$kc_dir/node$n"
+    offsets[$n]=$(log_size "$d/logs/server.log")
+    log "kafka-cluster:$n: starting on 127.0.0.1:$(kc_port "$n") (controller $(kc_controller_port "$n"))"
+    nohup setsid java -Xms"$KAFKA_CLUSTER_HEAP" -Xmx"$KAFKA_CLUSTER_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 \
+      -Djava.awt.headless=true -Dlog4j2.configurationFile="$d/log4j2.xml" -Dkafka.logs.dir="$d/logs" \
+      -cp "$kafka_libs/*" kafka.Kafka "$d/server.properties" >>"$d/logs/stdout.log" 2>&1 </dev/null &
+    echo $! >"$(kafka_cluster_pidfile "$n")"
+  done
+  for n in "${started[@]}"; do
+    d="$kc_dir/node$n"
+    pid=$(read_pid "$(kafka_cluster_pidfile "$n")")
+    if ! wait_ready 180 "$pid" kc_started "$n" "${offsets[$n]}"; then
+      tail -n 30 "$d/logs/stdout.log" "$d/logs/server.log" 2>/dev/null >&2 || true
+      die "kafka-cluster:$n: exited or not ready within 180 s (logs in $d/logs; a node needs one more running to form a quorum)"
+    fi
+    log "kafka-cluster:$n: ready (pid $pid)"
+  done
+}
+
+kafka_cluster_down() {
+  local n specs=()
+  for n in $(node_list kafka-cluster 3 "${1:-}"); do
+    specs+=("kafka-cluster:$n|$(kafka_cluster_pidfile "$n")|$(kafka_cluster_match "$n")")
+  done
+  # A broker's controlled shutdown waits for the controller quorum (two of the three
+  # nodes) to move its partition leaders away. With the whole cluster stopping, the last
+  # node has no quorum left and would wait for minutes: it gets SIGKILL instead (what it
+  # wrote is in the page cache; its next start recovers the log).
+  STOP_HOPELESS=kc_no_quorum stop_pids TERM "${specs[@]}"
+}
+
+kc_no_quorum() {
+  local n running=0
+  for n in $(kafka_cluster_nodes); do
+    own_pid "$(kafka_cluster_pidfile "$n")" "$(kafka_cluster_match "$n")" >/dev/null && running=$((running + 1))
+  done
+  [ $running -lt 2 ]
+}
+
+kafka_cluster_status() {
+  local n pid rc=0
+  for n in $(node_list kafka-cluster 3 "${1:-}"); do
+    if pid=$(own_pid "$(kafka_cluster_pidfile "$n")" "$(kafka_cluster_match "$n")") && port_open "$(kc_port "$n")"; then
+      printf '%-21s up    pid %s  127.0.0.1:%s  node.id %s\n' "kafka-cluster:$n" "$pid" "$(kc_port "$n")" "$n"
+    else
+      printf '%-21s down  127.0.0.1:%s  node.id %s\n' "kafka-cluster:$n" "$(kc_port "$n")" "$n"; rc=1
+    fi
+  done
+  return $rc
 }
