@@ -4,6 +4,7 @@
 #
 #   zookeeper           one standalone Apache ZooKeeper (jars from Maven Central)
 #   kafka-cluster       three KRaft nodes, each broker and controller (node ids 1..3)
+#   redis-cluster       six redis-server nodes with cluster-enabled: 3 masters, 3 replicas
 #
 # Node N of a service is SERVICE:N (e.g. kafka-cluster:2); every node has its own PID
 # file, data and logs below $CLICKAGG_STACK_DIR/SERVICE/nodeN. A port setting is either
@@ -301,6 +302,169 @@ kafka_cluster_status() {
       printf '%-21s up    pid %s  127.0.0.1:%s  node.id %s\n' "kafka-cluster:$n" "$pid" "$(kc_port "$n")" "$n"
     else
       printf '%-21s down  127.0.0.1:%s  node.id %s\n' "kafka-cluster:$n" "$(kc_port "$n")" "$n"; rc=1
+    fi
+  done
+  return $rc
+}
+
+# --- Redis Cluster (six nodes: three masters, three replicas) -------------------------
+
+REDIS_CLUSTER_PORT=${REDIS_CLUSTER_PORT:-7001}
+REDIS_CLUSTER_BUS_PORT=${REDIS_CLUSTER_BUS_PORT:-17001}
+REDIS_CLUSTER_NODE_TIMEOUT=${REDIS_CLUSTER_NODE_TIMEOUT:-5000}
+CLUSTER_SERVICES+=(redis-cluster)
+rc_dir="$STACK_DIR/redis-cluster"
+redis_cluster_nodes() { echo 1 2 3 4 5 6; }
+redis_cluster_pidfile() { echo "$rc_dir/node$1/redis.pid"; }
+redis_cluster_datadir() { echo "$rc_dir"; }
+redis_cluster_check() {
+  local n
+  for n in $(redis_cluster_nodes); do
+    port_of REDIS_CLUSTER_PORT "$n" >/dev/null; port_of REDIS_CLUSTER_BUS_PORT "$n" >/dev/null
+  done
+}
+redis_cluster_env() {
+  local n list=""
+  for n in $(redis_cluster_nodes); do list+="${list:+,}redis://127.0.0.1:$(rc_port "$n")/"; done
+  echo "# Redis Cluster: all six nodes (3 masters, 3 replicas); a cluster client needs one or more"
+  echo "export CLICKAGG_STACK_REDIS_CLUSTER_NODES=$list"
+}
+# redis-server names itself "redis-server 127.0.0.1:PORT [cluster]" in its command line.
+redis_cluster_match() { echo "127.0.0.1:$(rc_port "$1")"; }
+rc_port() { port_of REDIS_CLUSTER_PORT "$1"; }
+rc_bus_port() { port_of REDIS_CLUSTER_BUS_PORT "$1"; }
+rc_cli() { local n=$1; shift; redis-cli -h 127.0.0.1 -p "$(rc_port "$n")" "$@" 2>/dev/null | tr -d '\r'; }
+rc_info() { rc_cli "$1" cluster info | sed -n "s/^$2://p"; }
+rc_pong() { [ "$(rc_cli "$1" ping)" = PONG ]; }
+rc_running() { own_pid "$(redis_cluster_pidfile "$1")" "$(redis_cluster_match "$1")" >/dev/null; }
+rc_lone() { [ "$(rc_info "$1" cluster_known_nodes)" = 1 ] && [ "$(rc_info "$1" cluster_slots_assigned)" = 0 ]; }
+
+# rc_role N: "master of slots ..." or "replica of 127.0.0.1:PORT", as node N says.
+rc_role() {
+  rc_cli "$1" cluster nodes | awk '
+    { addr[$1] = $2; sub(/@.*/, "", addr[$1]) }
+    $3 ~ /myself/ { flags = $3; master = $4; slots = ""; for (i = 9; i <= NF; i++) slots = slots (slots ? "," : "") $i }
+    END {
+      if (flags ~ /master/) print "master of slots " (slots ? slots : "none")
+      else if (flags ~ /slave/) print "replica of " addr[master]
+      else exit 1
+    }'
+}
+
+# rc_node_ready N: node N is in the cluster, says cluster_state:ok, another running
+# node sees it without a failure flag in the same role, and as a replica its link to the
+# master is up (so a test may kill that master right away and see this one promoted).
+rc_node_ready() {
+  local n=$1 id me peer view
+  [ "$(rc_info "$n" cluster_state)" = ok ] || return 1
+  id=$(rc_cli "$n" cluster myid) && [ -n "$id" ] || return 1
+  me=$(rc_cli "$n" cluster nodes | awk '$3 ~ /myself/ {sub(/myself,/, "", $3); print $3, $4}')
+  for peer in $(redis_cluster_nodes); do
+    [ "$peer" != "$n" ] && rc_running "$peer" || continue
+    view=$(rc_cli "$peer" cluster nodes | awk -v id="$id" '$1 == id {print $3, $4}')
+    [ "$view" = "$me" ] || return 1
+    break
+  done
+  case $me in
+    slave*) rc_cli "$n" info replication | grep -q '^master_link_status:up' ;;
+  esac
+}
+
+redis_cluster_start() {
+  local n=$1 d="$rc_dir/node$1" port; port=$(rc_port "$1")
+  port_open "$port" && die "redis-cluster:$n: port $port is taken by a process this script did not start; set REDIS_CLUSTER_PORT"
+  port_open "$(rc_bus_port "$n")" && die "redis-cluster:$n: cluster bus port $(rc_bus_port "$n") is taken by a process this script did not start; set REDIS_CLUSTER_BUS_PORT"
+  mkdir -p "$d"
+  log "redis-cluster:$n: starting on 127.0.0.1:$port"
+  # appendonly + noeviction as in the single-node stack: a dedup key must not vanish.
+  # A replica-validity factor of 0 lets any replica take over from a killed master,
+  # however long the master had been quiet.
+  redis-server --bind 127.0.0.1 --port "$port" --dir "$d" \
+    --cluster-enabled yes --cluster-config-file nodes.conf --cluster-port "$(rc_bus_port "$n")" \
+    --cluster-node-timeout "$REDIS_CLUSTER_NODE_TIMEOUT" --cluster-replica-validity-factor 0 \
+    --appendonly yes --appendfsync everysec --maxmemory-policy noeviction --save "" \
+    --daemonize yes --pidfile "$d/redis.pid" --logfile "$d/redis.log" \
+    || die "redis-cluster:$n: redis-server failed to start, see $d/redis.log"
+}
+
+redis_cluster_up() {
+  command -v redis-server >/dev/null || apt_install redis-server
+  local version; version=$(redis-server --version | sed -E 's/.*v=([0-9]+)\..*/\1/')
+  [ "$version" -ge 7 ] || die "redis: redis-server $version found, clickagg needs >= 7.0 (SET ... NX GET)"
+  local n pid nodes; nodes=$(node_list redis-cluster 6 "${1:-}")
+  for n in $nodes; do
+    if pid=$(own_pid "$(redis_cluster_pidfile "$n")" "$(redis_cluster_match "$n")"); then
+      log "redis-cluster:$n: already running (pid $pid, 127.0.0.1:$(rc_port "$n"))"
+    else
+      redis_cluster_start "$n"
+    fi
+  done
+  for n in $nodes; do
+    wait_until 20 "redis-cluster:$n" rc_pong "$n" \
+      || die "redis-cluster:$n: no answer within 20 s (log: $rc_dir/node$n/redis.log)"
+  done
+  redis_cluster_form
+  for n in $nodes; do
+    if ! wait_until 60 "redis-cluster:$n ready" rc_node_ready "$n"; then
+      rc_cli "$n" cluster info >&2 || true
+      die "redis-cluster:$n: not ready within 60 s (log: $rc_dir/node$n/redis.log)"
+    fi
+    log "redis-cluster:$n: ready (pid $(read_pid "$(redis_cluster_pidfile "$n")"), $(rc_role "$n"))"
+  done
+}
+
+# redis_cluster_form: create the cluster when none of the six nodes knows another one;
+# when a cluster exists, add each node that knows no other (its data was deleted) back
+# as a replica. A node that was in the cluster finds it again by itself (nodes.conf).
+redis_cluster_form() {
+  local n seed="" all_lone=1 lone=() addrs=()
+  for n in $(redis_cluster_nodes); do
+    addrs+=("127.0.0.1:$(rc_port "$n")")
+    if ! rc_running "$n"; then all_lone=0; continue; fi
+    if rc_lone "$n"; then lone+=("$n")
+    else all_lone=0; [ "$(rc_info "$n" cluster_state)" = ok ] && seed=${seed:-$n}; fi
+  done
+  [ ${#lone[@]} -gt 0 ] || return 0
+  if [ $all_lone = 1 ]; then
+    log "redis-cluster: creating the cluster (3 masters, 3 replicas)"
+    redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes >"$rc_dir/create.log" 2>&1 \
+      || die "redis-cluster: redis-cli --cluster create failed, see $rc_dir/create.log"
+    return 0
+  fi
+  [ -n "$seed" ] || die "redis-cluster: nodes ${lone[*]} are not in the cluster and no node says cluster_state:ok to add them to; scripts/stack wipe redis-cluster starts afresh"
+  for n in "${lone[@]}"; do
+    log "redis-cluster:$n: knows no other node, adding it as a replica"
+    redis-cli --cluster add-node "127.0.0.1:$(rc_port "$n")" "127.0.0.1:$(rc_port "$seed")" --cluster-slave \
+      >>"$rc_dir/add-node.log" 2>&1 || die "redis-cluster:$n: redis-cli --cluster add-node failed, see $rc_dir/add-node.log"
+  done
+  # The node's former self (another id, its address now unknown) would stay listed as a
+  # failed member: every node forgets it.
+  local ghost m
+  for ghost in $(rc_cli "$seed" cluster nodes | awk '$3 ~ /noaddr/ && $3 !~ /myself/ {print $1}'); do
+    log "redis-cluster: forgetting the departed node id $ghost"
+    for m in $(redis_cluster_nodes); do
+      rc_running "$m" && [ "$(rc_cli "$m" cluster myid)" != "$ghost" ] && rc_cli "$m" cluster forget "$ghost" >/dev/null
+    done
+  done
+}
+
+redis_cluster_down() {
+  local n specs=()
+  for n in $(node_list redis-cluster 6 "${1:-}"); do
+    specs+=("redis-cluster:$n|$(redis_cluster_pidfile "$n")|$(redis_cluster_match "$n")")
+  done
+  stop_pids TERM "${specs[@]}"
+}
+
+redis_cluster_status() {
+  local n pid rc=0
+  for n in $(node_list redis-cluster 6 "${1:-}"); do
+    if pid=$(own_pid "$(redis_cluster_pidfile "$n")" "$(redis_cluster_match "$n")") \
+        && rc_pong "$n"; then
+      printf '%-21s up    pid %s  127.0.0.1:%s  cluster_state:%s  %s\n' "redis-cluster:$n" "$pid" \
+        "$(rc_port "$n")" "$(rc_info "$n" cluster_state)" "$(rc_role "$n" || echo 'role unknown')"
+    else
+      printf '%-21s down  127.0.0.1:%s\n' "redis-cluster:$n" "$(rc_port "$n")"; rc=1
     fi
   done
   return $rc
