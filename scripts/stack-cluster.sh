@@ -5,6 +5,8 @@
 #   zookeeper           one standalone Apache ZooKeeper (jars from Maven Central)
 #   kafka-cluster       three KRaft nodes, each broker and controller (node ids 1..3)
 #   redis-cluster       six redis-server nodes with cluster-enabled: 3 masters, 3 replicas
+#   clickhouse-cluster  four clickhouse-server nodes: 2 shards x 2 replicas, replicated
+#                       through the zookeeper service
 #
 # Node N of a service is SERVICE:N (e.g. kafka-cluster:2); every node has its own PID
 # file, data and logs below $CLICKAGG_STACK_DIR/SERVICE/nodeN. A port setting is either
@@ -465,6 +467,246 @@ redis_cluster_status() {
         "$(rc_port "$n")" "$(rc_info "$n" cluster_state)" "$(rc_role "$n" || echo 'role unknown')"
     else
       printf '%-21s down  127.0.0.1:%s\n' "redis-cluster:$n" "$(rc_port "$n")"; rc=1
+    fi
+  done
+  return $rc
+}
+
+# --- ClickHouse cluster (2 shards x 2 replicas, replicated through ZooKeeper) ---------
+
+CLICKHOUSE_CLUSTER_HTTP_PORT=${CLICKHOUSE_CLUSTER_HTTP_PORT:-18123}
+CLICKHOUSE_CLUSTER_TCP_PORT=${CLICKHOUSE_CLUSTER_TCP_PORT:-19000}
+CLICKHOUSE_CLUSTER_INTERSERVER_PORT=${CLICKHOUSE_CLUSTER_INTERSERVER_PORT:-19009}
+CLICKHOUSE_CLUSTER_NAME=clickagg_cluster
+CLUSTER_SERVICES+=(clickhouse-cluster)
+cc_dir="$STACK_DIR/clickhouse-cluster"
+clickhouse_cluster_nodes() { echo 1 2 3 4; }
+clickhouse_cluster_pidfile() { echo "$cc_dir/node$1/clickhouse.pid"; }
+clickhouse_cluster_match() { echo "$cc_dir/node$1/config.xml"; }
+clickhouse_cluster_datadir() { echo "$cc_dir"; }
+# The replicated tables live in ZooKeeper as much as on the nodes: wiping one without
+# the other leaves replicas that exist in one place only, so both go.
+clickhouse_cluster_wipe() {
+  clickhouse_cluster_down
+  zookeeper_down
+  rm -rf "$cc_dir" "$zk_dir"
+  log "clickhouse-cluster: wiped, and zookeeper with it"
+}
+clickhouse_cluster_check() {
+  local n
+  for n in $(clickhouse_cluster_nodes); do
+    port_of CLICKHOUSE_CLUSTER_HTTP_PORT "$n" >/dev/null; port_of CLICKHOUSE_CLUSTER_TCP_PORT "$n" >/dev/null
+    port_of CLICKHOUSE_CLUSTER_INTERSERVER_PORT "$n" >/dev/null
+  done
+}
+clickhouse_cluster_env() {
+  local n list=""
+  for n in $(clickhouse_cluster_nodes); do list+="${list:+,}http://127.0.0.1:$(cc_http "$n")"; done
+  echo "# ClickHouse: cluster $CLICKHOUSE_CLUSTER_NAME, 2 shards x 2 replicas (nodes 1+2, 3+4), through ZooKeeper"
+  echo "export CLICKAGG__CLICKHOUSE__URL=http://127.0.0.1:$(cc_http 1)"
+  echo "export CLICKAGG_STACK_CLICKHOUSE_CLUSTER=$CLICKHOUSE_CLUSTER_NAME"
+  echo "export CLICKAGG_STACK_CLICKHOUSE_CLUSTER_URLS=$list"
+}
+cc_http() { port_of CLICKHOUSE_CLUSTER_HTTP_PORT "$1"; }
+cc_tcp() { port_of CLICKHOUSE_CLUSTER_TCP_PORT "$1"; }
+cc_interserver() { port_of CLICKHOUSE_CLUSTER_INTERSERVER_PORT "$1"; }
+# Nodes 1 and 2 hold shard 1, nodes 3 and 4 shard 2; the replica name is the node's.
+cc_shard() { echo $((($1 + 1) / 2)); }
+cc_replica() { echo "node$1"; }
+
+# http_get PORT PATH / http_post PORT PATH BODY: the body of a plain HTTP/1.0 exchange
+# with 127.0.0.1:PORT, failing unless the status is 200 (bash only, no curl needed).
+http_exchange() {
+  local port=$1 request=$2 response
+  response=$( (exec 3<>"/dev/tcp/127.0.0.1/$port" && printf '%s' "$request" >&3 && cat <&3) 2>/dev/null) || return 1
+  [[ ${response%%$'\r'*} == *" 200 "* ]] || { printf '%s\n' "${response#*$'\r\n\r\n'}" >&2; return 1; }
+  printf '%s' "${response#*$'\r\n\r\n'}"
+}
+http_get() { http_exchange "$1" "GET $2 HTTP/1.0"$'\r\n\r\n'; }
+http_post() {
+  local body=$3
+  http_exchange "$1" "POST $2 HTTP/1.0"$'\r\n'"Content-Length: $(printf '%s' "$body" | wc -c)"$'\r\n\r\n'"$body"
+}
+
+cc_ping() { [ "$(http_get "$(cc_http "$1")" /ping 2>/dev/null)" = "Ok." ]; }
+# cc_query N SQL: run SQL on node N over HTTP and print the result (TabSeparated).
+cc_query() { http_post "$(cc_http "$1")" / "$2"; }
+cc_zookeeper_ok() { [ "$(cc_query "$1" "SELECT count() > 0 FROM system.zookeeper WHERE path = '/'" 2>/dev/null)" = 1 ]; }
+# cc_replicas_synced N: every replicated table of node N replicates and has caught up.
+# After a SIGKILL that takes a while: the killed process's ZooKeeper session (and with
+# it the replica's is_active node) lives until the session timeout, and until then the
+# restarted replica is refused ("appears to be already active"). It does not say so in
+# is_readonly; absolute_delay does: it is the current time until the replica has read
+# the replication log once, then 0 when nothing is left to fetch.
+cc_replicas_synced() {
+  [ "$(cc_query "$1" "SELECT count() FROM system.replicas
+      WHERE is_readonly OR is_session_expired OR queue_size > 0 OR absolute_delay > 0" 2>/dev/null)" = 0 ]
+}
+
+# clickhouse_cluster_users: the users.xml all nodes read, written before any starts and
+# replaced in one rename: a running node rereads it whenever it changes.
+clickhouse_cluster_users() {
+  mkdir -p "$cc_dir"
+  cat >"$cc_dir/users.xml.new" <<EOF
+<?xml version="1.0"?>
+<!-- Written by scripts/stack: the users of the single-node stack, on every node. -->
+<yandex>
+  <profiles>
+    <default>
+      <max_memory_usage>2000000000</max_memory_usage>
+      <load_balancing>random</load_balancing>
+    </default>
+  </profiles>
+  <users>
+    <default>
+      <password></password>
+      <networks><ip>127.0.0.1</ip><ip>::1</ip></networks>
+      <profile>default</profile>
+      <quota>default</quota>
+    </default>
+    <clickagg>
+      <password>clickagg-local-password</password>
+      <networks><ip>127.0.0.1</ip><ip>::1</ip></networks>
+      <profile>default</profile>
+      <quota>default</quota>
+    </clickagg>
+  </users>
+  <quotas><default><interval><duration>3600</duration><queries>0</queries><errors>0</errors><result_rows>0</result_rows><read_rows>0</read_rows><execution_time>0</execution_time></interval></default></quotas>
+</yandex>
+EOF
+  if cmp -s "$cc_dir/users.xml.new" "$cc_dir/users.xml"; then rm -f "$cc_dir/users.xml.new"
+  else mv -f "$cc_dir/users.xml.new" "$cc_dir/users.xml"; fi
+}
+
+clickhouse_cluster_config() {
+  local n=$1 d="$cc_dir/node$1" shards="" s r
+  mkdir -p "$d/data" "$d/tmp" "$d/user_files" "$d/format_schemas" "$d/logs"
+  for s in 1 2; do
+    shards+="
+      <shard>
+        <internal_replication>true</internal_replication>"
+    for r in $((2 * s - 1)) $((2 * s)); do
+      shards+="
+        <replica><host>127.0.0.1</host><port>$(cc_tcp "$r")</port></replica>"
+    done
+    shards+="
+      </shard>"
+  done
+  cat >"$d/config.xml" <<EOF
+<?xml version="1.0"?>
+<!-- Written by scripts/stack: node $n of $CLICKHOUSE_CLUSTER_NAME, shard $(cc_shard "$n"), replica $(cc_replica "$n"). -->
+<yandex>
+  <logger>
+    <level>information</level>
+    <log>$d/logs/clickhouse-server.log</log>
+    <errorlog>$d/logs/clickhouse-server.err.log</errorlog>
+    <size>100M</size>
+    <count>3</count>
+  </logger>
+  <listen_host>127.0.0.1</listen_host>
+  <http_port>$(cc_http "$n")</http_port>
+  <tcp_port>$(cc_tcp "$n")</tcp_port>
+  <!-- Replicas fetch parts from each other here; without a host they would announce
+       the machine's hostname. -->
+  <interserver_http_port>$(cc_interserver "$n")</interserver_http_port>
+  <interserver_http_host>127.0.0.1</interserver_http_host>
+  <max_connections>1024</max_connections>
+  <keep_alive_timeout>3</keep_alive_timeout>
+  <max_concurrent_queries>100</max_concurrent_queries>
+  <uncompressed_cache_size>268435456</uncompressed_cache_size>
+  <mark_cache_size>268435456</mark_cache_size>
+  <path>$d/data/</path>
+  <tmp_path>$d/tmp/</tmp_path>
+  <user_files_path>$d/user_files/</user_files_path>
+  <format_schema_path>$d/format_schemas/</format_schema_path>
+  <users_config>$cc_dir/users.xml</users_config>
+  <default_profile>default</default_profile>
+  <default_database>default</default_database>
+  <timezone>UTC</timezone>
+  <mlock_executable>false</mlock_executable>
+  <builtin_dictionaries_reload_interval>3600</builtin_dictionaries_reload_interval>
+  <max_session_timeout>3600</max_session_timeout>
+  <default_session_timeout>60</default_session_timeout>
+  <remote_servers>
+    <$CLICKHOUSE_CLUSTER_NAME>$shards
+    </$CLICKHOUSE_CLUSTER_NAME>
+  </remote_servers>
+  <zookeeper>
+    <node><host>127.0.0.1</host><port>$ZOOKEEPER_PORT</port></node>
+    <!-- Short, so a replica killed with SIGKILL and restarted is let back in soon (its
+         old session must expire first); long enough to ride out a ZooKeeper restart. -->
+    <session_timeout_ms>10000</session_timeout_ms>
+  </zookeeper>
+  <macros>
+    <cluster>$CLICKHOUSE_CLUSTER_NAME</cluster>
+    <shard>$(cc_shard "$n")</shard>
+    <replica>$(cc_replica "$n")</replica>
+  </macros>
+  <!-- CREATE/DROP/ALTER ... ON CLUSTER: the queue every node reads its share from. -->
+  <distributed_ddl><path>/clickhouse/task_queue/ddl</path></distributed_ddl>
+</yandex>
+EOF
+}
+
+clickhouse_cluster_up() {
+  local node=${1:-} n pid bin started=()
+  # The whole cluster needs its ZooKeeper; a single node started again is left to the
+  # caller, who may have stopped ZooKeeper on purpose.
+  [ -n "$node" ] || zookeeper_up
+  clickhouse_cluster_users
+  for n in $(node_list clickhouse-cluster 4 "$node"); do
+    if pid=$(own_pid "$(clickhouse_cluster_pidfile "$n")" "$(clickhouse_cluster_match "$n")") && cc_ping "$n"; then
+      log "clickhouse-cluster:$n: already running (pid $pid, http://127.0.0.1:$(cc_http "$n"))"
+      continue
+    fi
+    if [ -z "$pid" ]; then
+      for port in "$(cc_http "$n")" "$(cc_tcp "$n")" "$(cc_interserver "$n")"; do
+        port_open "$port" && die "clickhouse-cluster:$n: port $port is taken by a process this script did not start; set CLICKHOUSE_CLUSTER_HTTP_PORT, CLICKHOUSE_CLUSTER_TCP_PORT and CLICKHOUSE_CLUSTER_INTERSERVER_PORT"
+      done
+      bin=$(clickhouse_bin)
+      if [ -z "$bin" ]; then apt_install clickhouse-server clickhouse-client; bin=$(clickhouse_bin); fi
+      [ -n "$bin" ] || die "clickhouse: no clickhouse-server binary after installing"
+      clickhouse_cluster_config "$n"
+      log "clickhouse-cluster:$n: starting on http://127.0.0.1:$(cc_http "$n") (tcp $(cc_tcp "$n"), shard $(cc_shard "$n"), replica $(cc_replica "$n"))"
+      # shellcheck disable=SC2086
+      nohup setsid $bin --config-file="$cc_dir/node$n/config.xml" >>"$cc_dir/node$n/logs/stdout.log" 2>&1 </dev/null &
+      echo $! >"$(clickhouse_cluster_pidfile "$n")"
+    fi
+    started+=("$n")
+  done
+  for n in "${started[@]}"; do
+    if ! wait_ready 60 "$(read_pid "$(clickhouse_cluster_pidfile "$n")")" cc_ping "$n"; then
+      tail -n 30 "$cc_dir/node$n/logs/stdout.log" "$cc_dir/node$n/logs/clickhouse-server.err.log" 2>/dev/null >&2 || true
+      die "clickhouse-cluster:$n: exited or not ready within 60 s (logs in $cc_dir/node$n/logs)"
+    fi
+    if [ -z "$node" ] && ! wait_until 30 "clickhouse-cluster:$n zookeeper" cc_zookeeper_ok "$n"; then
+      die "clickhouse-cluster:$n: cannot reach ZooKeeper on 127.0.0.1:$ZOOKEEPER_PORT (logs in $cc_dir/node$n/logs)"
+    fi
+    # Replicas caught up, unless ZooKeeper is down (a test may have stopped it).
+    if zk_serving && ! wait_until 90 "clickhouse-cluster:$n replicas" cc_replicas_synced "$n"; then
+      cc_query "$n" "SELECT database, table, is_readonly, is_session_expired, queue_size FROM system.replicas" >&2 || true
+      die "clickhouse-cluster:$n: replicated tables not caught up within 90 s (logs in $cc_dir/node$n/logs)"
+    fi
+    log "clickhouse-cluster:$n: ready (pid $(read_pid "$(clickhouse_cluster_pidfile "$n")"))"
+  done
+}
+
+clickhouse_cluster_down() {
+  local n specs=()
+  for n in $(node_list clickhouse-cluster 4 "${1:-}"); do
+    specs+=("clickhouse-cluster:$n|$(clickhouse_cluster_pidfile "$n")|$(clickhouse_cluster_match "$n")")
+  done
+  stop_pids TERM "${specs[@]}"
+}
+
+clickhouse_cluster_status() {
+  local n pid rc=0
+  for n in $(node_list clickhouse-cluster 4 "${1:-}"); do
+    if pid=$(own_pid "$(clickhouse_cluster_pidfile "$n")" "$(clickhouse_cluster_match "$n")") && cc_ping "$n"; then
+      printf '%-21s up    pid %s  http://127.0.0.1:%s  tcp %s  shard %s replica %s\n' "clickhouse-cluster:$n" \
+        "$pid" "$(cc_http "$n")" "$(cc_tcp "$n")" "$(cc_shard "$n")" "$(cc_replica "$n")"
+    else
+      printf '%-21s down  http://127.0.0.1:%s\n' "clickhouse-cluster:$n" "$(cc_http "$n")"; rc=1
     fi
   done
   return $rc
