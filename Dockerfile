@@ -24,12 +24,14 @@ RUN mkdir src \
     && cargo build --release --locked \
     && rm -rf src
 
-# The real sources. sql/ is needed at compile time: src/sink.rs embeds the migrations
-# with include_str!("../sql/..."). The touch matters: COPY keeps the files' old
+# The real sources. sql/ and assets/ are needed at compile time: src/sink.rs embeds
+# the migrations with include_str!("../sql/..."), and the HTTP server the status page
+# (assets/status.html). The touch matters: COPY keeps the files' old
 # modification times, which can be older than the placeholder build, and cargo would
 # then keep the placeholder binary.
 COPY src src
 COPY sql sql
+COPY assets assets
 RUN touch src/main.rs src/lib.rs \
     && cargo build --release --locked \
     && cp target/release/clickagg /usr/local/bin/clickagg

@@ -409,3 +409,37 @@ fn included_dirs(file: &Path) -> Vec<String> {
     }
     dirs
 }
+
+/// What Prometheus and Grafana in the compose file read from the repository: every
+/// bind-mounted path exists (Docker would otherwise create an empty directory in its
+/// place and start without config), and Prometheus scrapes the port the aggregator
+/// listens on.
+#[test]
+fn compose_monitoring_mounts_exist_and_prometheus_scrapes_the_members() {
+    let doc = compose();
+    for name in ["prometheus", "grafana"] {
+        service(&doc, name);
+    }
+    for (name, svc) in doc["services"].as_mapping().expect("services") {
+        let Some(Value::Sequence(volumes)) = svc.get("volumes") else { continue };
+        for v in volumes.iter().map(scalar) {
+            let source = v.split(':').next().unwrap_or_default();
+            if source.starts_with('.') || source.starts_with('/') {
+                assert!(repo().join(source).exists(), "{}: mounts {source}, which does not exist", scalar(name));
+            }
+        }
+    }
+
+    let prom: Value = serde_yaml_ng::from_str(&read("deploy/prometheus/prometheus.yml")).expect("prometheus.yml");
+    let rule_files: Vec<String> = prom["rule_files"].as_sequence().expect("rule_files").iter().map(scalar).collect();
+    assert!(rule_files.iter().any(|f| f == "alerts.yml"), "the alerts are not loaded: {rule_files:?}");
+    let settings = load(&clickagg_vars(&environment(service(&doc, "aggregator")))).expect("aggregator settings");
+    let job = prom["scrape_configs"]
+        .as_sequence()
+        .and_then(|jobs| jobs.iter().find(|j| j["job_name"].as_str() == Some("clickagg")))
+        .expect("a scrape job named clickagg (the alerts match job=\"clickagg\")");
+    let sd = &job["dns_sd_configs"][0];
+    let names: Vec<String> = sd["names"].as_sequence().expect("dns_sd names").iter().map(scalar).collect();
+    assert_eq!(names, ["aggregator"], "Prometheus must find every aggregator replica");
+    assert_eq!(sd["port"].as_u64(), Some(u64::from(settings.http.addr.port())), "scrape port != http.addr port");
+}
