@@ -273,6 +273,9 @@ fn classify_json_error(e: serde_json::Error) -> Rejection {
 }
 
 #[cfg(test)]
+mod fuzz;
+
+#[cfg(test)]
 mod tests {
     use super::*;
 
