@@ -236,18 +236,20 @@ pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits
         ));
     }
     if let Some(record_ts) = record_ts_ms {
-        let ahead_limit = record_ts.saturating_add(limits.max_future_skew.as_millis() as i64);
-        let behind_limit = record_ts.saturating_sub(limits.max_lateness.as_millis() as i64);
-        if wire.ts > ahead_limit {
+        // The producer chooses both times, so any two i64s meet here: their difference
+        // is exact in i128, and the limits are compared as the u128 milliseconds a
+        // Duration holds, never cast down to i64.
+        let ahead = i128::from(wire.ts) - i128::from(record_ts);
+        if ahead > 0 && ahead.unsigned_abs() > limits.max_future_skew.as_millis() {
             return Err(Rejection::new(
                 RejectReason::TimestampAhead,
-                format!("ts is {} ms ahead of the record timestamp", wire.ts - record_ts),
+                format!("ts is {ahead} ms ahead of the record timestamp"),
             ));
         }
-        if wire.ts < behind_limit {
+        if ahead < 0 && ahead.unsigned_abs() > limits.max_lateness.as_millis() {
             return Err(Rejection::new(
                 RejectReason::TimestampBehind,
-                format!("ts is {} ms behind the record timestamp", record_ts - wire.ts),
+                format!("ts is {} ms behind the record timestamp", ahead.unsigned_abs()),
             ));
         }
     }
