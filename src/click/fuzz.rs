@@ -9,6 +9,7 @@
 //! `CLICKAGG_FUZZ_SEED=$RANDOM CLICKAGG_FUZZ_CASES=20000000 cargo test --release fuzz`.
 //! A failure names the case, its seed and its input.
 
+use std::collections::BTreeSet;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
@@ -25,24 +26,37 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| v.parse().unwrap_or_else(|_| panic!("{name} must be a number, not {v:?}")))
 }
 
-/// Runs `cases` cases from `generate`, each with its own seeded generator, so a
-/// failing case reproduces from its number alone.
-fn run(test: &str, generate: impl Fn(&mut SmallRng) -> Case) {
+/// Runs the cases from `generate`, each with its own seeded generator, so a failing
+/// case reproduces from its number alone. Returns every outcome seen (`None`: a click).
+fn run(test: &str, generate: impl Fn(&mut SmallRng) -> Case) -> BTreeSet<Option<RejectReason>> {
     let seed = env_u64("CLICKAGG_FUZZ_SEED").unwrap_or(0x00c1_1c4a);
     let cases = env_u64("CLICKAGG_FUZZ_CASES").unwrap_or(CASES);
+    let mut seen = BTreeSet::new();
     for n in 0..cases {
         let mut rng = SmallRng::seed_from_u64(seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         let case = generate(&mut rng);
-        let outcome = catch_unwind(AssertUnwindSafe(|| case.check()));
-        if let Err(panic) = outcome {
-            let what = panic
-                .downcast_ref::<String>()
-                .map(String::as_str)
-                .or_else(|| panic.downcast_ref::<&str>().copied())
-                .unwrap_or("(no message)");
-            panic!("{test}: case {n} of seed {seed:#x} failed: {what}\n{case:?}");
+        match catch_unwind(AssertUnwindSafe(|| case.check())) {
+            Ok(outcome) => {
+                seen.insert(outcome);
+            }
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .map(String::as_str)
+                    .or_else(|| panic.downcast_ref::<&str>().copied())
+                    .unwrap_or("(no message)");
+                panic!("{test}: case {n} of seed {seed:#x} failed: {what}\n{case:?}");
+            }
         }
     }
+    seen
+}
+
+/// Fails unless the generator reached every outcome in `want`: a generator that stopped
+/// producing, say, accepted clicks would leave their checks unexercised.
+fn assert_reached(test: &str, seen: &BTreeSet<Option<RejectReason>>, want: &[Option<RejectReason>]) {
+    let missing: Vec<_> = want.iter().filter(|o| !seen.contains(o)).collect();
+    assert!(missing.is_empty(), "{test}: the generator never produced {missing:?}");
 }
 
 /// One input to [`decode`].
@@ -61,8 +75,11 @@ impl std::fmt::Debug for Case {
 
 impl Case {
     /// Decodes, and checks that an accepted click keeps every rule it was judged by.
-    fn check(&self) {
-        let Ok(click) = decode(self.payload.as_deref(), self.record_ts, &self.limits) else { return };
+    fn check(&self) -> Option<RejectReason> {
+        let click = match decode(self.payload.as_deref(), self.record_ts, &self.limits) {
+            Ok(click) => click,
+            Err(rejection) => return Some(rejection.reason),
+        };
         let len = self.payload.as_ref().map_or(0, Vec::len);
         assert!(len > 0 && len <= self.limits.max_payload_bytes, "accepted a payload of {len} bytes");
         let id = click.click_id.as_str();
@@ -74,24 +91,35 @@ impl Case {
             let late = self.limits.max_lateness.as_millis().min(i128::MAX as u128) as i128;
             assert!(ahead <= skew && -ahead <= late, "accepted ts {} against record {record_ts}", click.ts_ms);
         }
+        None
     }
 }
 
-/// Record timestamps: mostly now, sometimes none or anything an i64 holds.
+/// 2025-11-30T08:00:00Z, the time around which plausible clicks are made.
+const NOW: i64 = 1_764_489_600_000;
+const HOUR: i64 = 3_600_000;
+
+/// Record timestamps: mostly within an hour of [`NOW`], sometimes none or anything an
+/// i64 holds.
 fn record_ts(rng: &mut SmallRng) -> Option<i64> {
-    const NOW: i64 = 1_764_489_600_000; // 2025-11-30T08:00:00Z
     match rng.random_range(0..10) {
         0 => None,
         1 => Some(pick(rng, &[i64::MIN, i64::MIN + 1, -1, 0, 1, i64::MAX - 1, i64::MAX])),
         2 => Some(rng.random()),
-        _ => Some(NOW + rng.random_range(-86_400_000..86_400_000)),
+        _ => Some(NOW + rng.random_range(-HOUR..HOUR)),
     }
+}
+
+/// Event times around the default limits of a record near [`NOW`]: up to 8 h behind
+/// and 1 h ahead, so both checks pass and fail.
+fn plausible_ts(rng: &mut SmallRng) -> i64 {
+    NOW + rng.random_range(-8 * HOUR..HOUR)
 }
 
 /// Limits: mostly the defaults, sometimes the extremes a configuration can hold.
 fn limits(rng: &mut SmallRng) -> Limits {
     let mut l = Limits::default();
-    if rng.random_bool(0.2) {
+    if rng.random_bool(0.1) {
         let durations = [Duration::ZERO, Duration::from_millis(1), Duration::from_secs(u64::MAX), Duration::MAX];
         l.max_future_skew = pick(rng, &durations);
         l.max_lateness = pick(rng, &durations);
@@ -146,7 +174,7 @@ fn value(rng: &mut SmallRng, depth: u32) -> String {
         5 => pick(rng, &["1.5", "-0", "-0.0", "0e0", "1E3", "1764489605123.0", "5e-324", "1.7976931348623157e308"])
             .into(),
         6 => rng.random::<i64>().to_string(),
-        7 => (1_764_489_600_000i64 + rng.random_range(-30_000_000_000..30_000_000_000)).to_string(),
+        7 => plausible_ts(rng).to_string(),
         8 | 9 => json_string(&timestamp_text(rng)),
         10 => json_string(&text(rng)),
         11 if depth < 3 => {
@@ -200,7 +228,7 @@ fn json_string(s: &str) -> String {
 
 /// Click IDs: empty, at and past the length limit, escapes, control and multibyte characters.
 fn text(rng: &mut SmallRng) -> String {
-    match rng.random_range(0..6) {
+    match rng.random_range(0..8) {
         0 => String::new(),
         1 => "x".repeat(pick(rng, &[127, 128, 129, 5000])),
         2 => "é".repeat(rng.random_range(60..70)),
@@ -214,13 +242,14 @@ fn text(rng: &mut SmallRng) -> String {
 fn click_object(rng: &mut SmallRng) -> Vec<u8> {
     let mut fields: Vec<String> = Vec::new();
     for name in ["click_id", "ad_id", "ts"] {
-        let copies = pick(rng, &[0, 1, 1, 1, 1, 1, 2]);
+        let copies = pick(rng, &[0, 1, 1, 1, 1, 1, 1, 1, 1, 2]);
         for _ in 0..copies {
-            let v = match (name, rng.random_bool(0.5)) {
-                ("click_id", true) => json_string(&text(rng)),
-                ("ad_id", true) => rng.random_range(0..100_000u64).to_string(),
-                ("ts", true) => (1_764_489_600_000i64 + rng.random_range(-86_400_000..86_400_000)).to_string(),
-                _ => value(rng, 0),
+            // Mostly of the right type, so that the checks after parsing run too.
+            let v = match (name, rng.random_range(0..4)) {
+                (_, 0) => value(rng, 0),
+                ("click_id", _) => json_string(&text(rng)),
+                ("ad_id", _) => rng.random_range(0..100_000u64).to_string(),
+                _ => plausible_ts(rng).to_string(),
             };
             fields.push(format!("\"{name}\":{v}"));
         }
@@ -237,7 +266,7 @@ fn click_object(rng: &mut SmallRng) -> Vec<u8> {
 
 #[test]
 fn no_byte_string_panics_the_decoder() {
-    run("bytes", |rng| {
+    let seen = run("bytes", |rng| {
         let payload = match rng.random_range(0..10) {
             0 => None,
             1..=3 => Some(mutated_click(rng)),
@@ -245,11 +274,20 @@ fn no_byte_string_panics_the_decoder() {
         };
         Case { payload, record_ts: record_ts(rng), limits: limits(rng) }
     });
+    use RejectReason as R;
+    let want = [None, Some(R::EmptyPayload), Some(R::Oversized), Some(R::NotUtf8), Some(R::MalformedJson)];
+    assert_reached("bytes", &seen, &want);
 }
 
 #[test]
 fn no_json_object_panics_the_decoder_and_every_accepted_click_keeps_the_rules() {
-    run("json", |rng| Case { payload: Some(click_object(rng)), record_ts: record_ts(rng), limits: limits(rng) });
+    let seen =
+        run("json", |rng| Case { payload: Some(click_object(rng)), record_ts: record_ts(rng), limits: limits(rng) });
+    // Every outcome but the two a JSON text cannot have (no bytes, not UTF-8).
+    let mut want: Vec<_> = RejectReason::ALL.iter().copied().map(Some).collect();
+    want.retain(|r| ![Some(RejectReason::EmptyPayload), Some(RejectReason::NotUtf8)].contains(r));
+    want.push(None);
+    assert_reached("json", &seen, &want);
 }
 
 #[test]
