@@ -11,3 +11,4 @@ mod faults;
 mod helpers;
 mod operability;
 mod query;
+mod robustness;
