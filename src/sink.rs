@@ -248,28 +248,28 @@ impl Sink {
 
     /// Writes one flush. Idempotent: the rows carry their batch ID and version.
     pub async fn insert(&self, topic: &str, rows: &[BatchRow], writer: Writer) -> Result<(), SinkError> {
-        if rows.is_empty() {
-            return Ok(());
+        for block in insert_blocks(rows) {
+            tracing::debug!(rows = block.len(), "flushing");
+            let write = async {
+                let mut insert = self.client.insert::<RowOut>(TABLE).await?;
+                for r in block {
+                    insert
+                        .write(&RowOut {
+                            ad_id: r.key.ad_id,
+                            minute: r.key.minute.epoch_seconds(),
+                            topic,
+                            partition: r.partition as u32,
+                            batch_start: r.batch_start as u64,
+                            clicks: r.clicks,
+                            version: stored_version(r.version, writer),
+                        })
+                        .await?;
+                }
+                insert.end().await
+            };
+            self.timed(write).await?;
         }
-        tracing::debug!(rows = rows.len(), "flushing");
-        let write = async {
-            let mut insert = self.client.insert::<RowOut>(TABLE).await?;
-            for r in rows {
-                insert
-                    .write(&RowOut {
-                        ad_id: r.key.ad_id,
-                        minute: r.key.minute.epoch_seconds(),
-                        topic,
-                        partition: r.partition as u32,
-                        batch_start: r.batch_start as u64,
-                        clicks: r.clicks,
-                        version: stored_version(r.version, writer),
-                    })
-                    .await?;
-            }
-            insert.end().await
-        };
-        self.timed(write).await
+        Ok(())
     }
 
     /// Records `batch_offsets` for `topic`, or checks it against the recorded value.
@@ -384,6 +384,27 @@ fn https_connector_trusting(
     hyper_tls::HttpsConnector::from((http, tls.into()))
 }
 
+/// The most `toYYYYMM(minute)` partitions of the table one INSERT may write: current
+/// ClickHouse refuses a block over more (`max_partitions_per_insert_block`, default
+/// 100) with code 252, whatever the retry.
+pub const MAX_MONTHS_PER_INSERT: usize = 100;
+
+/// `toYYYYMM(minute)`: the table's partition of a row.
+fn year_month(minute: Minute) -> u32 {
+    use chrono::Datelike;
+    let t = chrono::DateTime::from_timestamp(i64::from(minute.epoch_seconds()), 0)
+        .expect("u32 seconds are always a valid timestamp");
+    t.year() as u32 * 100 + t.month()
+}
+
+/// The INSERT blocks of one flush.
+fn insert_blocks(rows: &[BatchRow]) -> Vec<Vec<&BatchRow>> {
+    if rows.is_empty() {
+        return Vec::new();
+    }
+    vec![rows.iter().collect()]
+}
+
 /// Splits a migration file into statements (`;` at the end of a line ends one).
 fn statements(sql: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -430,6 +451,51 @@ mod tests {
             clickhouse::error::Error::BadResponse("Code: 202. DB::Exception: Too many simultaneous queries".into());
         assert!(!classify(busy).is_fatal());
         assert!(!classify(clickhouse::error::Error::TimedOut).is_fatal());
+    }
+
+    fn row(ad_id: u64, minute: Minute) -> BatchRow {
+        BatchRow { key: BucketKey { ad_id, minute }, partition: 0, batch_start: 0, clicks: 1, version: 0 }
+    }
+
+    /// The first minute of the `n`th month after January 2000 (UTC).
+    fn month(n: u32) -> Minute {
+        let start = chrono::NaiveDate::from_ymd_opt(2000 + (n / 12) as i32, n % 12 + 1, 1).unwrap();
+        Minute::from_epoch_seconds(start.and_hms_opt(0, 0, 0).unwrap().and_utc().timestamp() as u32)
+    }
+
+    #[test]
+    fn a_flush_over_more_than_100_months_is_split_into_inserts_of_at_most_100_in_row_order() {
+        // 250 months, interleaved: rows of one month are far apart in the flush.
+        let rows: Vec<BatchRow> = (0..1000u64).map(|i| row(i, month((i * 7 % 250) as u32))).collect();
+        let blocks = insert_blocks(&rows);
+        assert_eq!(blocks.len(), 3);
+        let mut seen = Vec::new();
+        for block in &blocks {
+            let months: std::collections::BTreeSet<u32> = block.iter().map(|r| year_month(r.key.minute)).collect();
+            assert!(months.len() <= MAX_MONTHS_PER_INSERT, "{} months in one insert", months.len());
+            // Each block keeps the flush's order.
+            assert!(block.windows(2).all(|w| w[0].key.ad_id < w[1].key.ad_id));
+            seen.extend(block.iter().map(|r| r.key.ad_id));
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "every row exactly once");
+    }
+
+    #[test]
+    fn a_flush_within_100_months_stays_one_insert_in_flush_order() {
+        let rows: Vec<BatchRow> = (0..500u64).map(|i| row(i, month((i % 100) as u32))).collect();
+        let blocks = insert_blocks(&rows);
+        assert_eq!(blocks.len(), 1);
+        assert!(blocks[0].iter().map(|r| r.key.ad_id).eq(0..500));
+        assert!(insert_blocks(&[]).is_empty());
+    }
+
+    #[test]
+    fn months_are_utc_calendar_months() {
+        assert_eq!(year_month(month(0)), 200001);
+        assert_eq!(year_month(month(13)), 200102);
+        assert_eq!(year_month(Minute::from_epoch_seconds(1_764_460_740)), 202511); // 2025-11-29T23:59Z
+        assert_eq!(year_month(Minute::from_epoch_seconds(u32::MAX)), 210602);
     }
 
     #[test]
