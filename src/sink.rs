@@ -6,7 +6,7 @@
 //! SELECT comes back empty without an error) and no schema validation (18.16 has no
 //! `RowBinaryWithNamesAndTypes`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use clickhouse::{Client, Compression, Row};
@@ -397,12 +397,34 @@ fn year_month(minute: Minute) -> u32 {
     t.year() as u32 * 100 + t.month()
 }
 
-/// The INSERT blocks of one flush.
+/// The INSERT blocks of one flush: each holds the rows of at most
+/// [`MAX_MONTHS_PER_INSERT`] months, in flush order; months are taken in the order
+/// their first row appears. A flush within 100 months stays one INSERT.
+///
+/// Writing a flush in several INSERTs keeps it idempotent: every row carries its batch
+/// ID and version, so a retry after a failure between blocks writes the blocks already
+/// written again, harmlessly, and nothing is committed until all are written.
 fn insert_blocks(rows: &[BatchRow]) -> Vec<Vec<&BatchRow>> {
-    if rows.is_empty() {
-        return Vec::new();
+    let mut blocks: Vec<Vec<&BatchRow>> = Vec::new();
+    let mut block_of_month: HashMap<u32, usize> = HashMap::new();
+    let mut months_in_last_block = 0;
+    for r in rows {
+        let month = year_month(r.key.minute);
+        let block = match block_of_month.get(&month) {
+            Some(&b) => b,
+            None => {
+                if blocks.is_empty() || months_in_last_block == MAX_MONTHS_PER_INSERT {
+                    blocks.push(Vec::new());
+                    months_in_last_block = 0;
+                }
+                months_in_last_block += 1;
+                block_of_month.insert(month, blocks.len() - 1);
+                blocks.len() - 1
+            }
+        };
+        blocks[block].push(r);
     }
-    vec![rows.iter().collect()]
+    blocks
 }
 
 /// Splits a migration file into statements (`;` at the end of a line ends one).
