@@ -520,6 +520,38 @@ mod tests {
         assert_eq!(year_month(Minute::from_epoch_seconds(u32::MAX)), 210602);
     }
 
+    fn bad(msg: &str) -> SinkError {
+        classify(clickhouse::error::Error::BadResponse(msg.into()))
+    }
+
+    #[test]
+    fn no_error_that_a_retry_cannot_fix_is_retried() {
+        // The same request fails the same way however often it is sent.
+        for fatal in [
+            "Code: 252, e.displayText() = DB::Exception: Too many partitions for single INSERT block (more than 100). \
+             The limit is controlled by 'max_partitions_per_insert_block' setting",
+            "Code: 252. DB::Exception: Too many partitions for single INSERT block (more than 100). (TOO_MANY_PARTS)",
+            "Code: 1234567. DB::Exception: an error this version of clickagg has never heard of",
+            "404 Not Found",
+            "<html><body>Welcome to nginx!</body></html>",
+        ] {
+            assert!(bad(fatal).is_fatal(), "{fatal}");
+        }
+        // Overload, merges behind, a restart: the same request succeeds later.
+        for transient in [
+            "Code: 252, e.displayText() = DB::Exception: Too many parts (300). Merges are processing \
+             significantly slower than inserts.",
+            "Code: 202. DB::Exception: Too many simultaneous queries. Maximum: 100. (TOO_MANY_SIMULTANEOUS_QUERIES)",
+            "Code: 241. DB::Exception: Memory limit (total) exceeded (MEMORY_LIMIT_EXCEEDED)",
+            "503 Service Unavailable",
+            "<html><head><title>502 Bad Gateway</title></head></html>",
+        ] {
+            assert!(!bad(transient).is_fatal(), "{transient}");
+        }
+        assert!(!classify(clickhouse::error::Error::TimedOut).is_fatal());
+        assert!(!classify(clickhouse::error::Error::Network("connection reset".into())).is_fatal());
+    }
+
     #[test]
     fn migrations_split_into_statements_without_comments() {
         let s = statements(MIGRATIONS[0].1);
