@@ -7,12 +7,14 @@ use std::time::Duration;
 use clickagg::aggregate::BucketKey;
 use clickagg::click::Minute;
 use clickagg::produce::{Kind, Planned, Spec};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::bindings::{rd_kafka_header_add, rd_kafka_headers_t};
+use rdkafka::client::DefaultClientContext;
 use rdkafka::message::{BorrowedHeaders, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 
-use crate::helpers::{read_dead_letters, TestEnv};
+use crate::helpers::{read_dead_letters, source_payload, wait_until, PrivateStack, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(120);
 
@@ -103,4 +105,80 @@ async fn a_flush_over_150_months_is_written_and_counted() {
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&truth, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// A record of about 1 MB is rejected as oversized; its dead letter would be the record
+/// plus headers, over the producer's 1 MB `message.max.bytes`, and must still be
+/// produced — without the payload, pointing back at the record — while counting goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oversized_record_of_1_mb_is_dead_lettered_without_its_payload_and_counting_goes_on() {
+    let mut env = TestEnv::new("dlbig").await;
+    env.batch_offsets = 10;
+    let (records, truth) = env.plan(Spec { count: 200, malformed_ratio: 0.0, seed: 62, ..Spec::default() });
+    env.send(&records[..100], 1, None).await;
+    let ts = chrono::Utc::now().timestamp_millis();
+    let head = format!(r#"{{"click_id":"big","ad_id":1,"ts":{ts},"pad":""#);
+    let payload = format!("{head}{}\"}}", "p".repeat(1_000_000 - head.len() - 2));
+    assert_eq!(payload.len(), 1_000_000);
+    let offset = produce_raw(&env, 0, b"big", payload.as_bytes(), OwnedHeaders::new()).await;
+    env.send(&records[100..], 1, None).await;
+
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    let letters = read_dead_letters(&env, 1).await;
+    assert_eq!(letters.len(), 1);
+    let dl = &letters[0];
+    assert_eq!(dl.headers["clickagg-reason"], "oversized");
+    assert_eq!(dl.payload, None, "the payload is left out");
+    assert_eq!(dl.headers["clickagg-payload-omitted"], "1000000", "{:?}", dl.headers);
+    // The source position leads back to the record, still in the topic.
+    assert_eq!(dl.headers["clickagg-source-offset"], offset.to_string());
+    assert_eq!(source_payload(&env, 0, offset).await.map(|p| p.len()), Some(1_000_000));
+    wait_until("the commit passes the oversized record", Duration::from_secs(30), || async {
+        match env.committed_offsets().await[&0] {
+            c if c > offset => Ok(()),
+            c => Err(format!("committed {c}")),
+        }
+    })
+    .await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// A dead-letter topic the member may not write to is an operator's mistake no retry
+/// fixes: the member stops, names the setting, and commits nothing past the bad record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_topic_without_write_permission_stops_the_member_naming_the_setting() {
+    let stack = PrivateStack::start_configured("dlacl", &["kafka"], &[], &[("KAFKA_AUTHORIZER", "1")]).await;
+    let mut env = TestEnv::with_stack("dlacl", &stack).await;
+    env.batch_offsets = 10;
+    let dlq = format!("{}.dlq", env.topic);
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", &env.brokers).create().unwrap();
+    let topic = NewTopic::new(&dlq, 1, TopicReplication::Fixed(1));
+    admin.create_topics([&topic], &AdminOptions::new()).await.unwrap().pop().unwrap().unwrap();
+    // Describe stays allowed, so the member starts; only writing is denied.
+    stack
+        .kafka_acls(&["--add", "--allow-principal", "User:ANONYMOUS", "--operation", "Describe", "--topic", &dlq])
+        .await;
+    stack.kafka_acls(&["--add", "--deny-principal", "User:ANONYMOUS", "--operation", "Write", "--topic", &dlq]).await;
+
+    let (mut records, _) = env.plan(Spec { count: 100, malformed_ratio: 0.0, seed: 63, ..Spec::default() });
+    let ts = records[50].timestamp_ms;
+    let bad = Planned {
+        key: "bad".into(),
+        payload: b"not json".to_vec(),
+        timestamp_ms: ts,
+        kind: Kind::Malformed(clickagg::click::RejectReason::MalformedJson),
+        partition: None,
+    };
+    records.insert(50, bad);
+    env.send(&records, 1, None).await;
+
+    let mut member = env.spawn_member("m");
+    let code = member.wait(Duration::from_secs(120)).await;
+    let out = member.output();
+    assert_eq!(code, 1, "a dead-letter topic it may not write is fatal:\n{out}");
+    assert!(out.contains("dead_letter.topic") && out.contains("WRITE"), "names the setting and the ACL:\n{out}");
+    let committed = env.committed_offsets().await.get(&0).copied().unwrap_or(-1);
+    assert!(committed <= 50, "committed {committed}, past the record that was not dead-lettered");
 }
