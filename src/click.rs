@@ -143,6 +143,11 @@ pub struct Rejection {
     pub detail: String,
 }
 
+/// The longest [`Rejection::detail`], in bytes (plus an ellipsis when cut). serde_json
+/// quotes the offending value in its messages, so without a bound one hostile record
+/// would make its log line and its dead letter's header as large as the record itself.
+pub const MAX_DETAIL_BYTES: usize = 256;
+
 impl Rejection {
     fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
         Rejection { reason, detail: detail.into() }
@@ -350,6 +355,15 @@ mod tests {
         assert!(decode_str(&at(RECORD_TS - late)).is_ok());
         assert_eq!(reason(&at(RECORD_TS + skew + 1)), RejectReason::TimestampAhead);
         assert_eq!(reason(&at(RECORD_TS - late - 1)), RejectReason::TimestampBehind);
+    }
+
+    #[test]
+    fn a_detail_quoting_a_huge_value_is_cut_on_a_character_boundary() {
+        let huge = format!(r#"{{"click_id":"c","ad_id":"{}","ts":1764489605123}}"#, "é".repeat(20_000));
+        let e = decode_str(&huge).unwrap_err();
+        assert_eq!(e.reason, RejectReason::WrongType);
+        assert!(e.detail.len() <= MAX_DETAIL_BYTES + '…'.len_utf8() && e.detail.ends_with('…'), "{}", e.detail);
+        assert!(e.detail.starts_with("invalid type: string"), "{}", e.detail);
     }
 
     #[test]

@@ -78,7 +78,11 @@ impl Case {
     fn check(&self) -> Option<RejectReason> {
         let click = match decode(self.payload.as_deref(), self.record_ts, &self.limits) {
             Ok(click) => click,
-            Err(rejection) => return Some(rejection.reason),
+            Err(rejection) => {
+                let d = &rejection.detail;
+                assert!(!d.is_empty() && d.len() <= MAX_DETAIL_BYTES + '…'.len_utf8(), "detail {d:?}");
+                return Some(rejection.reason);
+            }
         };
         let len = self.payload.as_ref().map_or(0, Vec::len);
         assert!(len > 0 && len <= self.limits.max_payload_bytes, "accepted a payload of {len} bytes");
