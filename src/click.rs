@@ -150,7 +150,16 @@ pub const MAX_DETAIL_BYTES: usize = 256;
 
 impl Rejection {
     fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
-        Rejection { reason, detail: detail.into() }
+        let mut detail = detail.into();
+        if detail.len() > MAX_DETAIL_BYTES {
+            let mut cut = MAX_DETAIL_BYTES;
+            while !detail.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            detail.truncate(cut);
+            detail.push('…');
+        }
+        Rejection { reason, detail }
     }
 }
 
