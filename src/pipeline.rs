@@ -617,6 +617,7 @@ impl Stages {
                     metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
                     return Ok(invalid);
                 }
+                Err(e) if e.is_fatal() => return Err(Interrupted::Fatal(PipelineError::Fatal(e.to_string()))),
                 Err(e) => {
                     metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
                     warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying with a new producer");

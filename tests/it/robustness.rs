@@ -182,3 +182,34 @@ async fn a_dead_letter_topic_without_write_permission_stops_the_member_naming_th
     let committed = env.committed_offsets().await.get(&0).copied().unwrap_or(-1);
     assert!(committed <= 50, "committed {committed}, past the record that was not dead-lettered");
 }
+
+/// A dead-letter topic may hold letters to a smaller `max.message.bytes` than the
+/// producer's: the letters the broker refuses go again without the record's parts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_topic_with_a_smaller_size_limit_gets_the_letter_without_the_payload() {
+    let mut env = TestEnv::new("dlsmall").await;
+    env.batch_offsets = 10;
+    let admin: AdminClient<DefaultClientContext> =
+        ClientConfig::new().set("bootstrap.servers", &env.brokers).create().unwrap();
+    let dlq = format!("{}.dlq", env.topic);
+    let topic = NewTopic::new(&dlq, 1, TopicReplication::Fixed(1)).set("max.message.bytes", "100000");
+    admin.create_topics([&topic], &AdminOptions::new()).await.unwrap().pop().unwrap().unwrap();
+    let (records, truth) = env.plan(Spec { count: 100, malformed_ratio: 0.0, seed: 64, ..Spec::default() });
+    env.send(&records[..50], 1, None).await;
+    // Random bytes: compression must not shrink the letter below the topic's limit.
+    let payload: Vec<u8> = (0..200_000).map(|_| rand::random::<u8>()).collect();
+    let offset = produce_raw(&env, 0, b"big", &payload, OwnedHeaders::new()).await;
+    env.send(&records[50..], 1, None).await;
+
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    let letters = read_dead_letters(&env, 1).await;
+    assert_eq!(letters.len(), 1);
+    let dl = &letters[0];
+    assert_eq!(
+        (dl.payload.as_ref(), dl.headers.get("clickagg-payload-omitted").map(String::as_str)),
+        (None, Some("200000"))
+    );
+    assert_eq!(dl.headers["clickagg-source-offset"], offset.to_string());
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
