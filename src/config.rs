@@ -783,6 +783,21 @@ mod tests {
     }
 
     #[test]
+    fn passwords_and_query_values_in_both_urls_never_print() {
+        let vars = [
+            ("CLICKAGG__REDIS__URL", "rediss://u:redis-pw-hunter2@cache:6380/0?protocol=resp3&token=redis-q-hunter2"),
+            ("CLICKAGG__CLICKHOUSE__URL", "https://ch:ch-pw-hunter2@clickhouse:8443/?password=ch-q-hunter2"),
+        ];
+        let s = Settings::load_with_vars(None, vec![], vars).unwrap();
+        let printed = format!("{s:?}\n{}", s.to_redacted_toml());
+        assert!(!printed.contains("hunter2"), "{printed}");
+        // Where the services are stays visible, and which parameters are set.
+        for visible in ["cache:6380", "protocol=", "token=", "clickhouse:8443", "password="] {
+            assert!(printed.contains(visible), "{visible} in {printed}");
+        }
+    }
+
+    #[test]
     fn a_secret_that_looks_like_a_number_is_still_a_secret() {
         Jail::expect_with(|jail| {
             jail.set_env("CLICKAGG__CLICKHOUSE__PASSWORD", "12345");

@@ -213,3 +213,86 @@ async fn a_dead_letter_topic_with_a_smaller_size_limit_gets_the_letter_without_t
     assert_eq!(dl.headers["clickagg-source-offset"], offset.to_string());
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
+
+/// Credentials and query parameters in `clickhouse.url` and `redis.url` reach their
+/// services and nothing else: not `clickagg config`, not the logs or errors of
+/// `migrate` and `run` (connecting or not), not `/metrics`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn secrets_in_service_urls_never_appear_in_config_logs_errors_or_metrics() {
+    let stack = PrivateStack::start("urlsecret", &["redis"]).await;
+    let env = TestEnv::with_stack("urlsecret", &stack).await;
+    // Markers: each may appear in no output at all.
+    let redis_pw = format!("redis-url-pw-{:016x}", rand::random::<u64>());
+    let query_marker = format!("query-marker-{:016x}", rand::random::<u64>());
+    let ch_pw = "clickagg-local-password"; // the stack's ClickHouse user `clickagg`
+    let markers = [redis_pw.as_str(), query_marker.as_str(), ch_pw];
+    {
+        // Redis's only user is an ACL user whose password is a marker.
+        let mut c = env.redis().await;
+        let acl = ["SETUSER", "clickagg", "on", &format!(">{redis_pw}"), "~*", "+@all"];
+        let _: () = redis::cmd("ACL").arg(&acl[..]).query_async(&mut c).await.unwrap();
+        let _: () = redis::cmd("ACL").arg(&["SETUSER", "default", "off"][..]).query_async(&mut c).await.unwrap();
+    }
+    let redis_hp = env.redis_url.trim_start_matches("redis://").trim_end_matches('/').to_string();
+    let ch_hp = env.clickhouse_url.trim_start_matches("http://").trim_end_matches('/').to_string();
+    let redis_good = format!("redis://clickagg:{redis_pw}@{redis_hp}/?client_tag={query_marker}");
+    let redis_bad = format!("redis://clickagg:wrong-{redis_pw}@{redis_hp}/");
+    let ch_userinfo = format!("http://clickagg:{ch_pw}@{ch_hp}/");
+    let ch_query = format!("http://{ch_hp}/?user=clickagg&password={ch_pw}");
+    let ch_wrong = format!("http://{ch_hp}/?user=clickagg&password=wrong-{query_marker}");
+    let ch_closed = format!("http://clickagg:{ch_pw}@127.0.0.1:1/");
+    let ch_unsupported = format!("http://{ch_hp}/?user=clickagg&password={ch_pw}&max_threads={query_marker}");
+
+    let run = |label: &str, args: &[&str], redis_url: &str, clickhouse_url: &str| {
+        let extra = [("CLICKAGG__REDIS__URL", redis_url), ("CLICKAGG__CLICKHOUSE__URL", clickhouse_url)];
+        env.spawn(label, args, &extra)
+    };
+    let assert_clean = |what: &str, output: &str| {
+        for m in &markers {
+            assert!(!output.contains(m), "{what} printed a secret from a URL:\n{output}");
+        }
+    };
+
+    // The effective configuration shows where, never with what.
+    let mut config = run("config", &["config"], &redis_good, &ch_query);
+    assert_eq!(config.wait(Duration::from_secs(30)).await, 0, "{}", config.output());
+    let printed = config.output();
+    assert_clean("config", &printed);
+    assert!(printed.contains("?user=[redacted]&password=[redacted]"), "{printed}");
+    assert!(printed.contains(&redis_hp) && printed.contains(&ch_hp), "the hosts stay visible:\n{printed}");
+
+    // migrate with credentials in the query and in the user info; a wrong password; no server.
+    for (label, url, want) in [
+        ("migrate-query", &ch_query, 0),
+        ("migrate-userinfo", &ch_userinfo, 0),
+        ("migrate-wrong", &ch_wrong, 1),
+        ("migrate-closed", &ch_closed, 1),
+    ] {
+        let mut m = run(label, &["migrate"], &redis_good, url);
+        assert_eq!(m.wait(Duration::from_secs(60)).await, want, "{label}:\n{}", m.output());
+        assert_clean(label, &m.output());
+    }
+    let mut m = run("migrate-unsupported", &["migrate"], &redis_good, &ch_unsupported);
+    assert_eq!(m.wait(Duration::from_secs(30)).await, 2, "{}", m.output());
+    assert!(m.output().contains("max_threads"), "names the parameter:\n{}", m.output());
+    assert_clean("migrate-unsupported", &m.output());
+
+    // run: connecting with both URLs, its logs and metrics.
+    let (records, truth) = env.plan(Spec { count: 2_000, seed: 65, ..Spec::default() });
+    env.send(&records, 2, None).await;
+    let mut member = run("run", &["run"], &redis_good, &ch_userinfo);
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    let (_, metrics) = member.http_get("/metrics").await;
+    assert_clean("/metrics", &metrics);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+    assert_clean("run", &member.output());
+
+    // run: refused by ClickHouse, and by Redis (at the first poll batch).
+    let mut bad = run("run-wrong-clickhouse", &["run"], &redis_good, &ch_wrong);
+    assert_eq!(bad.wait(Duration::from_secs(90)).await, 1, "{}", bad.output());
+    assert_clean("run-wrong-clickhouse", &bad.output());
+    let mut bad = run("run-wrong-redis", &["run"], &redis_bad, &ch_query);
+    env.send(&records[..10], 2, None).await;
+    assert_eq!(bad.wait(Duration::from_secs(90)).await, 1, "{}", bad.output());
+    assert_clean("run-wrong-redis", &bad.output());
+}
