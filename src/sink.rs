@@ -56,7 +56,7 @@ pub enum Class {
 
 const SCHEMA: &str = "the tables do not match this clickagg: run `clickagg migrate` on clickhouse.database";
 const MISSING: &str = "run `clickagg migrate`, or check clickhouse.database";
-const CREDENTIALS: &str = "check clickhouse.user and clickhouse.password (or the credentials in clickhouse.url)";
+const CREDENTIALS: &str = "check clickhouse.user and clickhouse.password, or the credentials in clickhouse.url";
 const GRANTS: &str =
     "grant clickhouse.user SELECT, INSERT and CREATE on clickhouse.database in a profile that is not readonly";
 const LIMITS: &str = "a limit in clickhouse.user's settings profile refuses this request every time: raise it";
@@ -239,12 +239,14 @@ impl Sink {
                     .build(https_connector_trusting(ca)),
             ),
         };
+        // Settings are validated when they load, the endpoint with them.
+        let endpoint = s.endpoint().expect("clickhouse.url is checked by Settings::validate");
         let mut server = base
-            .with_url(s.url.as_str())
-            .with_user(s.user.as_str())
+            .with_url(endpoint.url)
+            .with_user(endpoint.user)
             .with_compression(Compression::None)
             .with_validation(false);
-        if let Some(password) = &s.password {
+        if let Some(password) = &endpoint.password {
             server = server.with_password(password.expose());
         }
         let client = server.clone().with_database(s.database.as_str());
