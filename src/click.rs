@@ -143,9 +143,23 @@ pub struct Rejection {
     pub detail: String,
 }
 
+/// The longest [`Rejection::detail`], in bytes (plus an ellipsis when cut). serde_json
+/// quotes the offending value in its messages, so without a bound one hostile record
+/// would make its log line and its dead letter's header as large as the record itself.
+pub const MAX_DETAIL_BYTES: usize = 256;
+
 impl Rejection {
     fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
-        Rejection { reason, detail: detail.into() }
+        let mut detail = detail.into();
+        if detail.len() > MAX_DETAIL_BYTES {
+            let mut cut = MAX_DETAIL_BYTES;
+            while !detail.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            detail.truncate(cut);
+            detail.push('…');
+        }
+        Rejection { reason, detail }
     }
 }
 
@@ -236,18 +250,20 @@ pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits
         ));
     }
     if let Some(record_ts) = record_ts_ms {
-        let ahead_limit = record_ts.saturating_add(limits.max_future_skew.as_millis() as i64);
-        let behind_limit = record_ts.saturating_sub(limits.max_lateness.as_millis() as i64);
-        if wire.ts > ahead_limit {
+        // The producer chooses both times, so any two i64s meet here: their difference
+        // is exact in i128, and the limits are compared as the u128 milliseconds a
+        // Duration holds, never cast down to i64.
+        let ahead = i128::from(wire.ts) - i128::from(record_ts);
+        if ahead > 0 && ahead.unsigned_abs() > limits.max_future_skew.as_millis() {
             return Err(Rejection::new(
                 RejectReason::TimestampAhead,
-                format!("ts is {} ms ahead of the record timestamp", wire.ts - record_ts),
+                format!("ts is {ahead} ms ahead of the record timestamp"),
             ));
         }
-        if wire.ts < behind_limit {
+        if ahead < 0 && ahead.unsigned_abs() > limits.max_lateness.as_millis() {
             return Err(Rejection::new(
                 RejectReason::TimestampBehind,
-                format!("ts is {} ms behind the record timestamp", record_ts - wire.ts),
+                format!("ts is {} ms behind the record timestamp", ahead.unsigned_abs()),
             ));
         }
     }
@@ -271,6 +287,9 @@ fn classify_json_error(e: serde_json::Error) -> Rejection {
     };
     Rejection::new(reason, e.to_string())
 }
+
+#[cfg(test)]
+mod fuzz;
 
 #[cfg(test)]
 mod tests {
@@ -345,6 +364,15 @@ mod tests {
         assert!(decode_str(&at(RECORD_TS - late)).is_ok());
         assert_eq!(reason(&at(RECORD_TS + skew + 1)), RejectReason::TimestampAhead);
         assert_eq!(reason(&at(RECORD_TS - late - 1)), RejectReason::TimestampBehind);
+    }
+
+    #[test]
+    fn a_detail_quoting_a_huge_value_is_cut_on_a_character_boundary() {
+        let huge = format!(r#"{{"click_id":"c","ad_id":"{}","ts":1764489605123}}"#, "é".repeat(20_000));
+        let e = decode_str(&huge).unwrap_err();
+        assert_eq!(e.reason, RejectReason::WrongType);
+        assert!(e.detail.len() <= MAX_DETAIL_BYTES + '…'.len_utf8() && e.detail.ends_with('…'), "{}", e.detail);
+        assert!(e.detail.starts_with("invalid type: string"), "{}", e.detail);
     }
 
     #[test]

@@ -76,8 +76,9 @@ impl<'de> Deserialize<'de> for Secret {
     }
 }
 
-/// A URL that may carry a password (`redis://user:pass@host`). Displayed, logged and
-/// serialized with the password replaced.
+/// A URL that may carry secrets: a password in its user info (`redis://user:pass@host`),
+/// in a query parameter (`?password=`, `?token=`) or in a fragment. Displayed, logged and
+/// serialized with all of them replaced by `[redacted]` ([`redact_url`]).
 #[derive(Clone)]
 pub struct SecretUrl(Secret);
 
@@ -90,19 +91,37 @@ impl SecretUrl {
         self.0.expose()
     }
 
-    /// The URL with any password replaced by `[redacted]`.
+    /// The URL as it may be shown: see [`redact_url`].
     pub fn redacted(&self) -> String {
-        match url::Url::parse(self.expose()) {
-            Ok(mut u) => {
-                if u.password().is_some() {
-                    let _ = u.set_password(Some("[redacted]"));
-                }
-                u.to_string()
-            }
-            // Unparseable: show nothing of it rather than risk printing a secret.
-            Err(_) => "[unparseable URL redacted]".to_string(),
-        }
+        redact_url(self.expose())
     }
+}
+
+/// `url` with the password of its user info, the value of every query parameter and its
+/// fragment replaced by `[redacted]`. What stays shows where a client connects and which
+/// parameters are set: scheme, user name, host, port, path, parameter names. A query
+/// parameter without `=` could be a bare token, so it is replaced whole.
+pub fn redact_url(url: &str) -> String {
+    // Unparseable: show nothing of it rather than risk printing a secret.
+    let Ok(mut u) = url::Url::parse(url) else { return "[unparseable URL redacted]".to_string() };
+    if u.password().is_some() && u.set_password(Some("[redacted]")).is_err() {
+        return "[URL redacted]".to_string();
+    }
+    if let Some(query) = u.query() {
+        let redacted: Vec<String> = query
+            .split('&')
+            .filter(|p| !p.is_empty())
+            .map(|p| match p.split_once('=') {
+                Some((name, _)) => format!("{name}=[redacted]"),
+                None => "[redacted]".to_string(),
+            })
+            .collect();
+        u.set_query(Some(&redacted.join("&")));
+    }
+    if u.fragment().is_some() {
+        u.set_fragment(Some("[redacted]"));
+    }
+    u.to_string()
 }
 
 impl fmt::Debug for SecretUrl {
@@ -267,8 +286,9 @@ impl Default for DedupSettings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ClickHouseSettings {
-    /// HTTP(S) endpoint.
-    pub url: String,
+    /// HTTP(S) endpoint; may carry the user and password, in its user info
+    /// (`https://user:pass@host`) or as `?user=…&password=…` ([`endpoint`](Self::endpoint)).
+    pub url: SecretUrl,
     pub user: String,
     pub password: Option<Secret>,
     pub database: String,
@@ -282,13 +302,75 @@ pub struct ClickHouseSettings {
 impl Default for ClickHouseSettings {
     fn default() -> Self {
         ClickHouseSettings {
-            url: "http://127.0.0.1:8123".into(),
+            url: SecretUrl::new("http://127.0.0.1:8123"),
             user: "default".into(),
             password: None,
             database: "clickagg".into(),
             tls_ca_file: None,
             request_timeout: Duration::from_secs(30),
         }
+    }
+}
+
+/// Where and as whom to connect to ClickHouse.
+#[derive(Debug, Clone)]
+pub struct ClickHouseEndpoint {
+    /// `clickhouse.url` without user info and query.
+    pub url: String,
+    pub user: String,
+    pub password: Option<Secret>,
+}
+
+impl ClickHouseSettings {
+    /// The endpoint `clickhouse.url`, `clickhouse.user` and `clickhouse.password` name.
+    ///
+    /// ClickHouse's HTTP interface takes credentials in the URL, as user info or as
+    /// `user` and `password` query parameters, but the clickhouse client crate sends
+    /// the user info nowhere and drops the whole query. So they are taken out of the URL
+    /// here and given to the client as its user and password; a user or password in the
+    /// URL wins over `clickhouse.user` / `clickhouse.password`, and a password in both
+    /// places is refused as ambiguous. Any other query parameter is refused too, rather
+    /// than silently dropped. Errors show the URL redacted.
+    pub fn endpoint(&self) -> Result<ClickHouseEndpoint, String> {
+        let shown = &self.url;
+        let mut u =
+            url::Url::parse(self.url.expose()).map_err(|e| format!("clickhouse.url {shown} is not a URL: {e}"))?;
+        if !matches!(u.scheme(), "http" | "https") {
+            return Err(format!("clickhouse.url {shown} must start with http:// or https://"));
+        }
+        let decoded = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+        let (mut user, mut password) =
+            ((!u.username().is_empty()).then(|| decoded(u.username())), u.password().map(decoded));
+        for (name, value) in u.query_pairs() {
+            let slot = match &*name {
+                "user" => &mut user,
+                "password" => &mut password,
+                _ => {
+                    return Err(format!(
+                        "clickhouse.url {shown}: only user and password may be query parameters (the ClickHouse \
+                         client drops the query); set other ClickHouse settings in clickhouse.user's profile"
+                    ))
+                }
+            };
+            if slot.replace(value.into_owned()).is_some() {
+                return Err(format!("clickhouse.url {shown} gives the {name} twice"));
+            }
+        }
+        if password.is_some() && self.password.is_some() {
+            return Err(format!(
+                "clickhouse.url {shown} carries a password and clickhouse.password is set too: keep one"
+            ));
+        }
+        u.set_query(None);
+        u.set_fragment(None);
+        if u.set_username("").and(u.set_password(None)).is_err() {
+            return Err(format!("clickhouse.url {shown} has no host"));
+        }
+        Ok(ClickHouseEndpoint {
+            url: u.to_string(),
+            user: user.unwrap_or_else(|| self.user.clone()),
+            password: password.map(Secret::new).or_else(|| self.password.clone()),
+        })
     }
 }
 
@@ -565,7 +647,7 @@ impl Settings {
             problems.push(format!("redis.url {} must start with redis:// or rediss://", self.redis.url));
         }
         if let Some(path) = &self.clickhouse.tls_ca_file {
-            if !self.clickhouse.url.starts_with("https://") {
+            if !self.clickhouse.url.expose().starts_with("https://") {
                 problems
                     .push("clickhouse.tls_ca_file is set but clickhouse.url does not start with https://".to_string());
             }
@@ -577,8 +659,8 @@ impl Settings {
                 Err(e) => problems.push(format!("clickhouse.tls_ca_file {}: {e}", path.display())),
             }
         }
-        if !self.clickhouse.url.starts_with("http://") && !self.clickhouse.url.starts_with("https://") {
-            problems.push(format!("clickhouse.url {:?} must start with http:// or https://", self.clickhouse.url));
+        if let Err(problem) = self.clickhouse.endpoint() {
+            problems.push(problem);
         }
         if problems.is_empty() {
             Ok(())
@@ -780,6 +862,63 @@ mod tests {
         let printed = format!("{s:?}\n{}", s.to_redacted_toml());
         assert!(!printed.contains("hunter2"), "{printed}");
         assert!(printed.contains("redis://user:%5Bredacted%5D@127.0.0.1:6379/") || printed.contains("[redacted]"));
+    }
+
+    #[test]
+    fn passwords_and_query_values_in_both_urls_never_print() {
+        let redis = "rediss://u:redis-pw-hunter2@cache:6380/0?protocol=resp3&token=redis-q-hunter2#frag-hunter2";
+        for clickhouse in
+            ["https://ch:ch-pw-hunter2@clickhouse:8443/", "https://clickhouse:8443/?user=ch&password=ch-q-hunter2"]
+        {
+            let vars = [("CLICKAGG__REDIS__URL", redis), ("CLICKAGG__CLICKHOUSE__URL", clickhouse)];
+            let s = Settings::load_with_vars(None, vec![], vars).unwrap();
+            let printed = format!("{s:?}\n{}", s.to_redacted_toml());
+            assert!(!printed.contains("hunter2"), "{printed}");
+            // Where the services are stays visible, and which parameters are set.
+            for visible in
+                ["u:%5Bredacted%5D@cache:6380/0?protocol=[redacted]&token=[redacted]#[redacted]", "clickhouse:8443"]
+            {
+                assert!(printed.contains(visible), "{visible} in {printed}");
+            }
+        }
+        assert_eq!(redact_url("http://h/?bare-hunter2&x=1"), "http://h/?[redacted]&x=[redacted]");
+        assert_eq!(redact_url("not a url hunter2"), "[unparseable URL redacted]");
+    }
+
+    fn endpoint(url: &str, password: Option<&str>) -> Result<ClickHouseEndpoint, String> {
+        let s = ClickHouseSettings {
+            url: SecretUrl::new(url),
+            password: password.map(Secret::new),
+            ..ClickHouseSettings::default()
+        };
+        s.endpoint()
+    }
+
+    #[test]
+    fn clickhouse_credentials_in_the_url_become_the_clients_user_and_password() {
+        let e = endpoint("https://svc%40corp:p%2Bw%3Ahunter2@ch.example:8443/", None).unwrap();
+        assert_eq!((e.url.as_str(), e.user.as_str()), ("https://ch.example:8443/", "svc@corp"));
+        assert_eq!(e.password.unwrap().expose(), "p+w:hunter2");
+        let e = endpoint("http://127.0.0.1:8123/?user=svc&password=a%26b+hunter2", None).unwrap();
+        assert_eq!((e.url.as_str(), e.user.as_str()), ("http://127.0.0.1:8123/", "svc"));
+        assert_eq!(e.password.unwrap().expose(), "a&b hunter2");
+        let e = endpoint("http://127.0.0.1:8123", Some("from-setting")).unwrap();
+        assert_eq!((e.url.as_str(), e.user.as_str()), ("http://127.0.0.1:8123/", "default"));
+        assert_eq!(e.password.unwrap().expose(), "from-setting");
+    }
+
+    #[test]
+    fn a_clickhouse_url_the_client_would_misread_is_refused_without_printing_it() {
+        for (url, password, says) in [
+            ("http://ch:8123/?password=hunter2&max_threads=8", None, "only user and password"),
+            ("http://u:hunter2@ch:8123/", Some("other"), "keep one"),
+            ("http://u:hunter2@ch:8123/?password=hunter2", None, "twice"),
+            ("ftp://u:hunter2@ch/", None, "http:// or https://"),
+            ("hunter2", None, "not a URL"),
+        ] {
+            let e = endpoint(url, password).unwrap_err();
+            assert!(e.contains(says) && !e.contains("hunter2"), "{url}: {e}");
+        }
     }
 
     #[test]

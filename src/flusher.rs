@@ -190,6 +190,8 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
                         metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
                         break;
                     }
+                    // No retry fixes it (no WRITE on the topic, bad credentials): stop and say what to change.
+                    Err(e) if e.is_fatal() => return Err(e.to_string()),
                     Err(e) => {
                         metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
                         if log_limit.allow("dead_letter", Instant::now()).is_some() {

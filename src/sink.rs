@@ -6,7 +6,7 @@
 //! SELECT comes back empty without an error) and no schema validation (18.16 has no
 //! `RowBinaryWithNamesAndTypes`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
 use clickhouse::{Client, Compression, Row};
@@ -52,24 +52,104 @@ impl SinkError {
     }
 }
 
-/// ClickHouse error codes where a retry cannot succeed until an operator acts.
-const FATAL_CODES: &[u32] = &[
-    16,  // NO_SUCH_COLUMN_IN_TABLE
-    27,  // CANNOT_PARSE_INPUT_ASSERTION_FAILED
-    33,  // CANNOT_READ_ALL_DATA (row shape does not match the table)
-    47,  // UNKNOWN_IDENTIFIER
-    53,  // TYPE_MISMATCH
-    60,  // UNKNOWN_TABLE
-    62,  // SYNTAX_ERROR
-    81,  // UNKNOWN_DATABASE
-    164, // READONLY
-    192, // UNKNOWN_USER
-    193, // WRONG_PASSWORD
-    194, // REQUIRED_PASSWORD
-    195, // IP_ADDRESS_NOT_ALLOWED
-    497, // ACCESS_DENIED
-    516, // AUTHENTICATION_FAILED
+/// What to do about a ClickHouse error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// The server is down, overloaded, or behind on merges or replication: the same
+    /// request succeeds later. The flush keeps its rows and retries with backoff;
+    /// consumption pauses at `pipeline.max_unflushed_buckets`; nothing is committed.
+    Transient,
+    /// The same request fails the same way until an operator changes something: the
+    /// member stops with the server's message and this advice.
+    Fatal(&'static str),
+}
+
+const SCHEMA: &str = "the tables do not match this clickagg: run `clickagg migrate` on clickhouse.database";
+const MISSING: &str = "run `clickagg migrate`, or check clickhouse.database";
+const CREDENTIALS: &str = "check clickhouse.user and clickhouse.password, or the credentials in clickhouse.url";
+const GRANTS: &str =
+    "grant clickhouse.user SELECT, INSERT and CREATE on clickhouse.database in a profile that is not readonly";
+const LIMITS: &str = "a limit in clickhouse.user's settings profile refuses this request every time: raise it";
+const SERVER: &str = "the server cannot run this request: see its log";
+/// The policy for a code missing from [`CODES`].
+const UNCLASSIFIED: &str = "clickagg does not know this error code to be temporary, so it stops rather than retry \
+     the request forever; a restart resumes from the last commit without losing or double-counting a click";
+
+/// Every ClickHouse error code clickagg's requests (row and pin INSERTs, billing and
+/// registry SELECTs, the migrations) can meet, and what to do about it. One table, so
+/// that no error is retried forever by accident: a code that is not listed is fatal
+/// ([`UNCLASSIFIED`]). Transient means an outage of the server, not of clickagg's
+/// request; codes that depend on the request (a setting's limit, the data, the
+/// schema) are fatal.
+pub const CODES: &[(u32, &str, Class)] = &[
+    (6, "CANNOT_PARSE_TEXT", Class::Fatal(SCHEMA)),
+    (8, "THERE_IS_NO_COLUMN", Class::Fatal(SCHEMA)),
+    (10, "NOT_FOUND_COLUMN_IN_BLOCK", Class::Fatal(SCHEMA)),
+    (16, "NO_SUCH_COLUMN_IN_TABLE", Class::Fatal(SCHEMA)),
+    (20, "NUMBER_OF_COLUMNS_DOESNT_MATCH", Class::Fatal(SCHEMA)),
+    (27, "CANNOT_PARSE_INPUT_ASSERTION_FAILED", Class::Fatal(SCHEMA)),
+    (33, "CANNOT_READ_ALL_DATA", Class::Fatal(SCHEMA)),
+    (43, "ILLEGAL_TYPE_OF_ARGUMENT", Class::Fatal(SCHEMA)),
+    (44, "ILLEGAL_COLUMN", Class::Fatal(SCHEMA)),
+    (46, "UNKNOWN_FUNCTION", Class::Fatal(SERVER)),
+    (47, "UNKNOWN_IDENTIFIER", Class::Fatal(SCHEMA)),
+    (48, "NOT_IMPLEMENTED", Class::Fatal(SERVER)),
+    (49, "LOGICAL_ERROR", Class::Fatal(SERVER)),
+    (53, "TYPE_MISMATCH", Class::Fatal(SCHEMA)),
+    (60, "UNKNOWN_TABLE", Class::Fatal(MISSING)),
+    (62, "SYNTAX_ERROR", Class::Fatal(SERVER)),
+    (73, "UNKNOWN_FORMAT", Class::Fatal(SERVER)),
+    (81, "UNKNOWN_DATABASE", Class::Fatal(MISSING)),
+    (115, "UNKNOWN_SETTING", Class::Fatal(SERVER)),
+    (117, "INCORRECT_DATA", Class::Fatal(SCHEMA)),
+    (158, "TOO_MANY_ROWS", Class::Fatal(LIMITS)),
+    (159, "TIMEOUT_EXCEEDED", Class::Transient),
+    (160, "TOO_SLOW", Class::Transient),
+    (164, "READONLY", Class::Fatal(GRANTS)),
+    (192, "UNKNOWN_USER", Class::Fatal(CREDENTIALS)),
+    (193, "WRONG_PASSWORD", Class::Fatal(CREDENTIALS)),
+    (194, "REQUIRED_PASSWORD", Class::Fatal(CREDENTIALS)),
+    (195, "IP_ADDRESS_NOT_ALLOWED", Class::Fatal(CREDENTIALS)),
+    (201, "QUOTA_EXPIRED", Class::Transient),
+    (202, "TOO_MANY_SIMULTANEOUS_QUERIES", Class::Transient),
+    (203, "NO_FREE_CONNECTION", Class::Transient),
+    (209, "SOCKET_TIMEOUT", Class::Transient),
+    (210, "NETWORK_ERROR", Class::Transient),
+    (225, "NO_ZOOKEEPER", Class::Transient),
+    (236, "ABORTED", Class::Transient),
+    (241, "MEMORY_LIMIT_EXCEEDED", Class::Transient),
+    (242, "TABLE_IS_READ_ONLY", Class::Transient),
+    (243, "NOT_ENOUGH_SPACE", Class::Transient),
+    // Also "too many partitions for single INSERT block", which is fatal: see classify.
+    (252, "TOO_MANY_PARTS", Class::Transient),
+    (279, "ALL_CONNECTION_TRIES_FAILED", Class::Transient),
+    (285, "TOO_FEW_LIVE_REPLICAS", Class::Transient),
+    (286, "UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE", Class::Transient),
+    (290, "LIMIT_EXCEEDED", Class::Fatal(LIMITS)),
+    (291, "DATABASE_ACCESS_DENIED", Class::Fatal(GRANTS)),
+    (307, "TOO_MANY_BYTES", Class::Fatal(LIMITS)),
+    (319, "UNKNOWN_STATUS_OF_INSERT", Class::Transient),
+    (364, "RECEIVED_ERROR_TOO_MANY_REQUESTS", Class::Transient),
+    (373, "SESSION_IS_LOCKED", Class::Transient),
+    (384, "PART_IS_TEMPORARILY_LOCKED", Class::Transient),
+    (394, "QUERY_WAS_CANCELLED", Class::Transient),
+    (396, "TOO_MANY_ROWS_OR_BYTES", Class::Fatal(LIMITS)),
+    (439, "CANNOT_SCHEDULE_TASK", Class::Transient),
+    (473, "DEADLOCK_AVOIDED", Class::Transient),
+    (497, "ACCESS_DENIED", Class::Fatal(GRANTS)),
+    (516, "AUTHENTICATION_FAILED", Class::Fatal(CREDENTIALS)),
+    (999, "KEEPER_EXCEPTION", Class::Transient),
+    (1000, "POCO_EXCEPTION", Class::Transient),
 ];
+
+/// The class of `code` by [`CODES`]; an unlisted code is fatal.
+pub fn class_of(code: u32) -> Class {
+    CODES.iter().find(|(c, _, _)| *c == code).map_or(Class::Fatal(UNCLASSIFIED), |&(_, _, class)| class)
+}
+
+/// What a proxy or load balancer in front of ClickHouse says while the server is away;
+/// any other answer without a ClickHouse error code means clickhouse.url is wrong.
+const TRANSIENT_HTTP: &[&str] = &["Too Many Requests", "Bad Gateway", "Service Unavailable", "Gateway Timeout"];
 
 /// The `Code: N` of a ClickHouse exception message, if any.
 fn error_code(message: &str) -> Option<u32> {
@@ -78,15 +158,30 @@ fn error_code(message: &str) -> Option<u32> {
     digits.parse().ok()
 }
 
+/// Retry or stop, by [`CODES`].
 pub fn classify(e: clickhouse::error::Error) -> SinkError {
     use clickhouse::error::Error as E;
+    let fatal = |msg: String, fix: &str| SinkError::Fatal(format!("{msg} ({fix})"));
     match e {
         E::BadResponse(msg) => match error_code(&msg) {
-            Some(code) if FATAL_CODES.contains(&code) => SinkError::Fatal(msg),
-            _ => SinkError::Transient(msg),
+            None if TRANSIENT_HTTP.iter().any(|t| msg.contains(t)) => SinkError::Transient(msg),
+            None => fatal(msg, "not an answer from ClickHouse: check clickhouse.url"),
+            // TOO_MANY_PARTS has two meanings: merges behind (they catch up), or one
+            // INSERT over more partitions than the server's setting allows, which fails
+            // every time. clickagg keeps to 100, the setting's default.
+            Some(252) if msg.contains("Too many partitions for single INSERT block") => fatal(
+                msg,
+                "clickagg writes up to 100 months per INSERT: set max_partitions_per_insert_block to 100 \
+                 or more in clickhouse.user's settings profile",
+            ),
+            Some(code) => match class_of(code) {
+                Class::Transient => SinkError::Transient(msg),
+                Class::Fatal(fix) => fatal(msg, fix),
+            },
         },
         E::Network(_) | E::TimedOut => SinkError::Transient(e.to_string()),
-        other => SinkError::Fatal(other.to_string()),
+        // The client cannot build the request or read the answer: the same next time.
+        other => fatal(other.to_string(), SERVER),
     }
 }
 
@@ -167,6 +262,8 @@ pub struct Sink {
 
 impl Sink {
     pub fn new(s: &ClickHouseSettings) -> Sink {
+        // Settings are validated when they load, the endpoint with them.
+        let endpoint = s.endpoint().expect("clickhouse.url is checked by Settings::validate");
         // Idle connections close before ClickHouse's own 3 s keep-alive timeout does.
         let builder = || {
             let mut b = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
@@ -175,17 +272,17 @@ impl Sink {
         };
         let base = match &s.tls_ca_file {
             Some(ca) => Client::with_http_client(builder().build(https_connector_trusting(ca))),
-            None if s.url.starts_with("https://") => Client::default(),
+            None if endpoint.url.starts_with("https://") => Client::default(),
             // Plain HTTP needs no TLS connector, whose set-up (loading the system's CA
             // bundle) costs a `clickagg query` about 60 ms of its start-up.
             None => Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new())),
         };
         let mut server = base
-            .with_url(s.url.as_str())
-            .with_user(s.user.as_str())
+            .with_url(endpoint.url)
+            .with_user(endpoint.user)
             .with_compression(Compression::None)
             .with_validation(false);
-        if let Some(password) = &s.password {
+        if let Some(password) = &endpoint.password {
             server = server.with_password(password.expose());
         }
         let client = server.clone().with_database(s.database.as_str());
@@ -314,36 +411,30 @@ impl Sink {
     /// Rows of every grain go to their table: the roll-ups first, the minute rows last,
     /// so that once the minute rows are there, so is everything derived from them.
     pub async fn insert(&self, topic: &str, rows: &[BatchRow], writer: Writer) -> Result<(), SinkError> {
-        if rows.is_empty() {
-            return Ok(());
+        // One INSERT per table and per block of at most MAX_MONTHS_PER_INSERT months.
+        macro_rules! write {
+            ($out:ident, $table:expr, $block:expr) => {
+                self.timed(async {
+                    let mut insert = self.client.insert::<$out>($table).await?;
+                    for r in $block {
+                        insert.write(&$out::of(r, topic, writer)).await?;
+                    }
+                    insert.end().await
+                })
+                .await?
+            };
         }
         tracing::debug!(rows = rows.len(), "flushing");
-        let of = |g: Grain| rows.iter().filter(move |r| r.grain == g);
-        let write = async {
-            if of(Grain::Day).next().is_some() {
-                let mut insert = self.client.insert::<DayOut>(table_of(Grain::Day).0).await?;
-                for r in of(Grain::Day) {
-                    insert.write(&DayOut::of(r, topic, writer)).await?;
+        for grain in [Grain::Day, Grain::Hour, Grain::Minute] {
+            for block in insert_blocks(rows.iter().filter(|r| r.grain == grain)) {
+                match grain {
+                    Grain::Day => write!(DayOut, table_of(grain).0, block),
+                    Grain::Hour => write!(HourOut, table_of(grain).0, block),
+                    Grain::Minute => write!(MinuteOut, TABLE, block),
                 }
-                insert.end().await?;
             }
-            if of(Grain::Hour).next().is_some() {
-                let mut insert = self.client.insert::<HourOut>(table_of(Grain::Hour).0).await?;
-                for r in of(Grain::Hour) {
-                    insert.write(&HourOut::of(r, topic, writer)).await?;
-                }
-                insert.end().await?;
-            }
-            if of(Grain::Minute).next().is_some() {
-                let mut insert = self.client.insert::<MinuteOut>(TABLE).await?;
-                for r in of(Grain::Minute) {
-                    insert.write(&MinuteOut::of(r, topic, writer)).await?;
-                }
-                insert.end().await?;
-            }
-            Ok(())
-        };
-        self.timed(write).await
+        }
+        Ok(())
     }
 
     /// Records `batch_offsets` for `topic`, or checks it against the recorded value.
@@ -458,6 +549,49 @@ fn https_connector_trusting(
     hyper_tls::HttpsConnector::from((http, tls.into()))
 }
 
+/// The most `toYYYYMM(minute)` partitions of the table one INSERT may write: current
+/// ClickHouse refuses a block over more (`max_partitions_per_insert_block`, default
+/// 100) with code 252, whatever the retry.
+pub const MAX_MONTHS_PER_INSERT: usize = 100;
+
+/// `toYYYYMM(minute)`: the table's partition of a row.
+fn year_month(minute: Minute) -> u32 {
+    use chrono::Datelike;
+    let t = chrono::DateTime::from_timestamp(i64::from(minute.epoch_seconds()), 0)
+        .expect("u32 seconds are always a valid timestamp");
+    t.year() as u32 * 100 + t.month()
+}
+
+/// The INSERT blocks of one flush: each holds the rows of at most
+/// [`MAX_MONTHS_PER_INSERT`] months, in flush order; months are taken in the order
+/// their first row appears. A flush within 100 months stays one INSERT.
+///
+/// Writing a flush in several INSERTs keeps it idempotent: every row carries its batch
+/// ID and version, so a retry after a failure between blocks writes the blocks already
+/// written again, harmlessly, and nothing is committed until all are written.
+fn insert_blocks<'a>(rows: impl IntoIterator<Item = &'a BatchRow>) -> Vec<Vec<&'a BatchRow>> {
+    let mut blocks: Vec<Vec<&BatchRow>> = Vec::new();
+    let mut block_of_month: HashMap<u32, usize> = HashMap::new();
+    let mut months_in_last_block = 0;
+    for r in rows {
+        let month = year_month(r.key.minute);
+        let block = match block_of_month.get(&month) {
+            Some(&b) => b,
+            None => {
+                if blocks.is_empty() || months_in_last_block == MAX_MONTHS_PER_INSERT {
+                    blocks.push(Vec::new());
+                    months_in_last_block = 0;
+                }
+                months_in_last_block += 1;
+                block_of_month.insert(month, blocks.len() - 1);
+                blocks.len() - 1
+            }
+        };
+        blocks[block].push(r);
+    }
+    blocks
+}
+
 /// Splits a migration file into statements (`;` at the end of a line ends one).
 fn statements(sql: &str) -> Vec<String> {
     let mut out = Vec::new();
@@ -504,6 +638,114 @@ mod tests {
             clickhouse::error::Error::BadResponse("Code: 202. DB::Exception: Too many simultaneous queries".into());
         assert!(!classify(busy).is_fatal());
         assert!(!classify(clickhouse::error::Error::TimedOut).is_fatal());
+    }
+
+    fn row(ad_id: u64, minute: Minute) -> BatchRow {
+        BatchRow { key: BucketKey { ad_id, minute }, grain: Grain::Minute, partition: 0, batch_start: 0, clicks: 1, version: 0 }
+    }
+
+    /// The first minute of the `n`th month after January 2000 (UTC).
+    fn month(n: u32) -> Minute {
+        let start = chrono::NaiveDate::from_ymd_opt(2000 + (n / 12) as i32, n % 12 + 1, 1).unwrap();
+        Minute::from_epoch_seconds(start.and_hms_opt(0, 0, 0).unwrap().and_utc().timestamp() as u32)
+    }
+
+    #[test]
+    fn a_flush_over_more_than_100_months_is_split_into_inserts_of_at_most_100_in_row_order() {
+        // 250 months, interleaved: rows of one month are far apart in the flush.
+        let rows: Vec<BatchRow> = (0..1000u64).map(|i| row(i, month((i * 7 % 250) as u32))).collect();
+        let blocks = insert_blocks(&rows);
+        assert_eq!(blocks.len(), 3);
+        let mut seen = Vec::new();
+        for block in &blocks {
+            let months: std::collections::BTreeSet<u32> = block.iter().map(|r| year_month(r.key.minute)).collect();
+            assert!(months.len() <= MAX_MONTHS_PER_INSERT, "{} months in one insert", months.len());
+            // Each block keeps the flush's order.
+            assert!(block.windows(2).all(|w| w[0].key.ad_id < w[1].key.ad_id));
+            seen.extend(block.iter().map(|r| r.key.ad_id));
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "every row exactly once");
+    }
+
+    #[test]
+    fn a_flush_within_100_months_stays_one_insert_in_flush_order() {
+        let rows: Vec<BatchRow> = (0..500u64).map(|i| row(i, month((i % 100) as u32))).collect();
+        let blocks = insert_blocks(&rows);
+        assert_eq!(blocks.len(), 1);
+        assert!(blocks[0].iter().map(|r| r.key.ad_id).eq(0..500));
+        assert!(insert_blocks(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn months_are_utc_calendar_months() {
+        assert_eq!(year_month(month(0)), 200001);
+        assert_eq!(year_month(month(13)), 200102);
+        assert_eq!(year_month(Minute::from_epoch_seconds(1_764_460_740)), 202511); // 2025-11-29T23:59Z
+        assert_eq!(year_month(Minute::from_epoch_seconds(u32::MAX)), 210602);
+    }
+
+    fn bad(msg: &str) -> SinkError {
+        classify(clickhouse::error::Error::BadResponse(msg.into()))
+    }
+
+    #[test]
+    fn no_error_that_a_retry_cannot_fix_is_retried() {
+        // The same request fails the same way however often it is sent.
+        for fatal in [
+            "Code: 252, e.displayText() = DB::Exception: Too many partitions for single INSERT block (more than 100). \
+             The limit is controlled by 'max_partitions_per_insert_block' setting",
+            "Code: 252. DB::Exception: Too many partitions for single INSERT block (more than 100). (TOO_MANY_PARTS)",
+            "Code: 1234567. DB::Exception: an error this version of clickagg has never heard of",
+            "404 Not Found",
+            "<html><body>Welcome to nginx!</body></html>",
+        ] {
+            assert!(bad(fatal).is_fatal(), "{fatal}");
+        }
+        // Overload, merges behind, a restart: the same request succeeds later.
+        for transient in [
+            "Code: 252, e.displayText() = DB::Exception: Too many parts (300). Merges are processing \
+             significantly slower than inserts.",
+            "Code: 202. DB::Exception: Too many simultaneous queries. Maximum: 100. (TOO_MANY_SIMULTANEOUS_QUERIES)",
+            "Code: 241. DB::Exception: Memory limit (total) exceeded (MEMORY_LIMIT_EXCEEDED)",
+            "503 Service Unavailable",
+            "<html><head><title>502 Bad Gateway</title></head></html>",
+        ] {
+            assert!(!bad(transient).is_fatal(), "{transient}");
+        }
+        assert!(!classify(clickhouse::error::Error::TimedOut).is_fatal());
+        assert!(!classify(clickhouse::error::Error::Network("connection reset".into())).is_fatal());
+    }
+
+    #[test]
+    fn every_code_in_the_table_is_classified_as_listed_in_both_message_formats() {
+        for &(code, name, class) in CODES {
+            let old = format!("Code: {code}, e.displayText() = DB::Exception: something, e.what() = DB::Exception");
+            let new = format!("Code: {code}. DB::Exception: something. ({name}) (version 25.8.1.1 (official build))");
+            for msg in [old, new] {
+                assert_eq!(bad(&msg).is_fatal(), matches!(class, Class::Fatal(_)), "{name}: {msg}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_table_lists_each_code_once_in_order() {
+        assert!(CODES.windows(2).all(|w| w[0].0 < w[1].0), "codes sorted and unique");
+        assert!(CODES.iter().all(|(_, name, _)| name.chars().all(|c| c.is_ascii_uppercase() || c == '_')));
+    }
+
+    #[test]
+    fn fatal_errors_say_what_to_change() {
+        let says = |msg: &str, advice: &str| {
+            let e = bad(msg).to_string();
+            assert!(e.contains(advice), "{e}");
+        };
+        says("Code: 193. DB::Exception: Wrong password for user clickagg", "clickhouse.password");
+        says("Code: 60. DB::Exception: Table it.ad_clicks_minute doesn't exist", "clickagg migrate");
+        says("Code: 164. DB::Exception: Cannot execute query in readonly mode", "grant clickhouse.user");
+        says("Code: 252. DB::Exception: Too many partitions for single INSERT block (more than 10)", "max_partitions");
+        says("Code: 4242. DB::Exception: new", "restart resumes from the last commit");
+        says("404 Not Found", "check clickhouse.url");
     }
 
     #[test]

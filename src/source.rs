@@ -15,7 +15,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::click::{decode, Click, Limits, Rejection};
@@ -51,10 +51,7 @@ impl Record {
     pub fn decode(msg: &BorrowedMessage<'_>, limits: &Limits) -> Record {
         let timestamp_ms = msg.timestamp().to_millis();
         let outcome = decode(msg.payload(), timestamp_ms, limits).map_err(|rejection| {
-            let headers = msg
-                .headers()
-                .map(|hs| hs.iter().map(|h| (h.key.to_string(), h.value.unwrap_or_default().to_vec())).collect())
-                .unwrap_or_default();
+            let headers = source_headers(msg);
             Box::new(Rejected {
                 rejection,
                 payload: msg.payload().map(<[u8]>::to_vec),
@@ -64,6 +61,46 @@ impl Record {
         });
         Record { partition: msg.partition(), offset: msg.offset(), timestamp_ms, outcome }
     }
+}
+
+/// The headers of a consumed record as (key, value) pairs; a key that is not UTF-8 is
+/// converted lossily (U+FFFD), an absent value becomes empty.
+///
+/// Read from librdkafka directly: rdkafka's own header accessor unwraps every key as
+/// UTF-8 and panics on one that is not, which any producer outside Rust can send.
+fn source_headers(msg: &BorrowedMessage<'_>) -> Vec<(String, Vec<u8>)> {
+    use rdkafka::bindings::{rd_kafka_message_headers, rd_kafka_resp_err_t};
+    let mut native = std::ptr::null_mut();
+    // SAFETY: `msg.ptr()` is the live librdkafka message `msg` borrows; the headers
+    // object it hands out belongs to that message and lives as long as it.
+    let err = unsafe { rd_kafka_message_headers(msg.ptr(), &mut native) };
+    if err != rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || native.is_null() {
+        return Vec::new(); // no headers (RD_KAFKA_RESP_ERR__NOENT)
+    }
+    // SAFETY: as above; `msg` outlives this call.
+    unsafe { header_pairs(native) }
+}
+
+/// Every header of a librdkafka headers object, copied out.
+///
+/// # Safety
+/// `headers` must point to a live `rd_kafka_headers_t` for the duration of the call.
+unsafe fn header_pairs(headers: *const rdkafka::bindings::rd_kafka_headers_t) -> Vec<(String, Vec<u8>)> {
+    use rdkafka::bindings::{rd_kafka_header_cnt, rd_kafka_header_get_all, rd_kafka_resp_err_t};
+    let mut out = Vec::new();
+    for idx in 0..rd_kafka_header_cnt(headers) {
+        let (mut name, mut value, mut size) = (std::ptr::null(), std::ptr::null(), 0usize);
+        let err = rd_kafka_header_get_all(headers, idx, &mut name, &mut value, &mut size);
+        if err != rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR || name.is_null() {
+            continue;
+        }
+        // librdkafka keeps names NUL-terminated and values as (pointer, size) in the object.
+        let key = std::ffi::CStr::from_ptr(name).to_string_lossy().into_owned();
+        let value =
+            if value.is_null() { Vec::new() } else { std::slice::from_raw_parts(value.cast::<u8>(), size).to_vec() };
+        out.push((key, value));
+    }
+    out
 }
 
 /// Kafka errors that no retry can fix.
@@ -537,5 +574,31 @@ mod tests {
         let g = group_consumer_config(&k);
         assert_eq!(g.get("enable.auto.commit"), Some("false"));
         assert_eq!(g.get("partition.assignment.strategy"), Some("cooperative-sticky"));
+    }
+
+    #[test]
+    fn header_keys_that_are_not_utf8_are_read_lossily_and_null_values_as_empty() {
+        use rdkafka::bindings::{rd_kafka_header_add, rd_kafka_headers_destroy, rd_kafka_headers_new};
+        let add = |h, key: &[u8], value: Option<&[u8]>| {
+            let (v, len) = value.map_or((std::ptr::null(), 0), |v| (v.as_ptr().cast(), v.len() as isize));
+            // SAFETY: `h` is the live headers object made below; librdkafka copies the bytes.
+            unsafe { rd_kafka_header_add(h, key.as_ptr().cast(), key.len() as isize, v, len) };
+        };
+        // SAFETY: created, read and destroyed here.
+        let pairs = unsafe {
+            let h = rd_kafka_headers_new(3);
+            add(h, b"plain", Some(b"v1"));
+            add(h, b"k\xff\xfe", Some(b"\xff"));
+            add(h, b"none", None);
+            let pairs = header_pairs(h);
+            rd_kafka_headers_destroy(h);
+            pairs
+        };
+        let want: Vec<(String, Vec<u8>)> = vec![
+            ("plain".into(), b"v1".to_vec()),
+            ("k\u{fffd}\u{fffd}".into(), b"\xff".to_vec()),
+            ("none".into(), Vec::new()),
+        ];
+        assert_eq!(pairs, want);
     }
 }

@@ -238,7 +238,7 @@ fn every_clickagg_variable_in_compose_is_a_known_setting() {
             assert_eq!(settings.redis.url.expose(), v);
         }
         if let Some(v) = get("CLICKAGG__CLICKHOUSE__URL") {
-            assert_eq!(settings.clickhouse.url, v);
+            assert_eq!(settings.clickhouse.url.expose(), v);
         }
         if let Some(v) = get("CLICKAGG__CLICKHOUSE__USER") {
             assert_eq!(settings.clickhouse.user, v);
@@ -279,7 +279,7 @@ fn every_clickagg_variable_in_compose_is_a_known_setting() {
     }
     let redis = url::Url::parse(settings.redis.url.expose()).expect("redis.url");
     assert_eq!(redis.host_str(), Some("redis"));
-    let ch = url::Url::parse(&settings.clickhouse.url).expect("clickhouse.url");
+    let ch = url::Url::parse(settings.clickhouse.url.expose()).expect("clickhouse.url");
     assert_eq!(ch.host_str(), Some("clickhouse"));
     let ch_env = environment(service(&doc, "clickhouse"));
     assert_eq!(ch_env.get("CLICKHOUSE_USER"), Some(&settings.clickhouse.user), "ClickHouse user");

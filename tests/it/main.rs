@@ -12,3 +12,4 @@ mod faults;
 mod helpers;
 mod operability;
 mod query;
+mod robustness;

@@ -116,7 +116,7 @@ impl TestEnv {
         s.kafka.group = self.group.clone();
         s.redis.url = clickagg::config::SecretUrl::new(self.redis_url.clone());
         s.redis.key_prefix = self.redis_prefix.clone();
-        s.clickhouse.url = self.clickhouse_url.clone();
+        s.clickhouse.url = clickagg::config::SecretUrl::new(self.clickhouse_url.clone());
         s.clickhouse.tls_ca_file = self.clickhouse_ca.clone();
         s.clickhouse.database = self.database.clone();
         s.pipeline.batch_offsets = self.batch_offsets;

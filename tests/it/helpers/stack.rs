@@ -43,6 +43,17 @@ impl PrivateStack {
     /// Like [`start`](Self::start), with extra port settings of `scripts/stack` (such
     /// as `REDIS_TLS_PORT`) set to free ports.
     pub async fn start_with(name: &str, services: &[&'static str], extra_ports: &[&str]) -> PrivateStack {
+        Self::start_configured(name, services, extra_ports, &[]).await
+    }
+
+    /// Like [`start_with`](Self::start_with), with other settings of `scripts/stack`
+    /// (such as `KAFKA_AUTHORIZER=1`).
+    pub async fn start_configured(
+        name: &str,
+        services: &[&'static str],
+        extra_ports: &[&str],
+        settings: &[(&str, &str)],
+    ) -> PrivateStack {
         let tag: u32 = rand::rng().random();
         let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("private-stacks").join(format!("{name}-{tag:08x}"));
         let mut env = vec![
@@ -53,6 +64,7 @@ impl PrivateStack {
         let ports = ["KAFKA_PORT", "KAFKA_CONTROLLER_PORT", "KAFKA_SASL_PORT", "REDIS_PORT"];
         let ports = ports.iter().chain(&["CLICKHOUSE_HTTP_PORT", "CLICKHOUSE_TCP_PORT"]).chain(extra_ports);
         env.extend(ports.map(|k| (k.to_string(), free_port().to_string())));
+        env.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let stack = PrivateStack { dir, env, services: services.to_vec() };
         for s in services {
             stack.up(s).await;
@@ -111,6 +123,20 @@ impl PrivateStack {
     /// Stops `service` and returns once its process is gone.
     pub async fn down(&self, service: &str) {
         self.must("down", service).await;
+    }
+
+    /// Runs Kafka's `kafka-acls` tool against this stack's broker (`scripts/stack acls`,
+    /// as the super user; the broker needs `KAFKA_AUTHORIZER=1`); asserts success.
+    pub async fn kafka_acls(&self, args: &[&str]) {
+        let mut cmd = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack"));
+        cmd.arg("acls").args(args).envs(self.env.iter().cloned());
+        let out = tokio::task::spawn_blocking(move || cmd.output().expect("run scripts/stack acls")).await.unwrap();
+        assert!(
+            out.status.success(),
+            "scripts/stack acls {args:?} failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 
