@@ -135,3 +135,117 @@ async fn sigterm_past_the_drain_timeout_exits_non_zero_without_committing_unflus
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(next.terminate(Duration::from_secs(30)).await, 0);
 }
+
+/// Issue 9: partitions a paused member takes over must be paused too, or it reads
+/// them without bound while it cannot process what it read. Here the pause comes from
+/// Redis refusing claims (out of memory): planning a start only reads Redis, so the
+/// takeover goes through while claims cannot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_taken_over_while_paused_are_paused_and_nothing_piles_up() {
+    let stack = PrivateStack::start("takeover", &["redis"]).await;
+    let mut env = TestEnv::with_stack("takeover", &stack).await;
+    let chunk = 500;
+    env.extra_env.extend([
+        ("CLICKAGG__PIPELINE__MAX_POLL_RECORDS".to_string(), chunk.to_string()),
+        ("CLICKAGG__PIPELINE__DRAIN_TIMEOUT".to_string(), "3s".to_string()),
+    ]);
+    let (records, truth) = env.plan(Spec { count: 120_000, seed: 35, ..Spec::default() });
+    let producer = env.spawn_producer(&records, 4, 3_000);
+    let mut first = env.spawn_member("first");
+    let mut second = env.spawn_member("second");
+    first.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    second.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    let mut redis = env.redis().await;
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("1").query_async(&mut redis).await.unwrap();
+    for m in [&first, &second] {
+        wait_until("both members pause", Duration::from_secs(30), || async {
+            equals(m.metric("clickagg_consumption_paused", &[]).await, 1.0)
+        })
+        .await;
+    }
+    // The second member leaves; the first takes its partitions over while paused.
+    let seen = first.lines().len();
+    second.terminate(Duration::from_secs(30)).await;
+    first.wait_for_line("partitions assigned", seen, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let awaiting = first.metric("clickagg_records_awaiting_claims", &[]).await;
+    assert!(
+        awaiting <= (4 * chunk) as f64,
+        "{awaiting} records read and waiting for Redis after the takeover: the new partitions were not paused"
+    );
+    assert_eq!(first.metric("clickagg_consumption_paused", &[]).await, 1.0);
+    let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("0").query_async(&mut redis).await.unwrap();
+
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(first.metric("clickagg_consumption_paused", &[]).await, 0.0);
+    assert_eq!(first.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// Issue 9: Redis refusing writes (out of memory, or turned into a read-only replica)
+/// pauses consumption, turns readiness false with the reason and shows in a metric;
+/// the member keeps polling (it is not evicted even when the refusal outlasts
+/// `kafka.max_poll_interval`), commits nothing past an unclaimed click, and recovers
+/// by itself once Redis accepts writes again.
+async fn redis_refusing_writes(name: &str, refuse: redis::Cmd, accept: redis::Cmd, reason: &str, kind: &str) {
+    let stack = PrivateStack::start(name, &["redis"]).await;
+    let mut env = TestEnv::with_stack(name, &stack).await;
+    env.extra_env.extend([
+        ("CLICKAGG__KAFKA__SESSION_TIMEOUT".to_string(), "6s".to_string()),
+        ("CLICKAGG__KAFKA__MAX_POLL_INTERVAL".to_string(), "10s".to_string()),
+    ]);
+    let (records, truth) = env.plan(Spec { count: 90_000, seed: 36, ..Spec::default() });
+    let producer = env.spawn_producer(&records, 4, 2_500);
+    let mut member = env.spawn_member("m");
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    wait_ready(&member, 200, Duration::from_secs(30)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    let mut redis = env.redis().await;
+    let _: () = refuse.query_async(&mut redis).await.expect("make Redis refuse writes");
+    let refused = Instant::now();
+    let body = wait_ready(&member, 503, Duration::from_secs(15)).await;
+    assert!(body.contains(reason), "{body}");
+    wait_until("consumption pauses", Duration::from_secs(15), || async {
+        equals(member.metric("clickagg_consumption_paused", &[]).await, 1.0)
+    })
+    .await;
+    assert!(member.metric("clickagg_redis_errors_total", &[&format!("kind=\"{kind}\"")]).await > 0.0);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = env.committed_offsets().await;
+    // Longer than kafka.max_poll_interval: a member that stopped polling would be evicted.
+    tokio::time::sleep(Duration::from_secs(25).saturating_sub(refused.elapsed())).await;
+    assert_eq!(env.committed_offsets().await, before, "nothing may be committed past an unclaimed click");
+    assert_eq!(member.http_get("/readyz").await.0, 503);
+    let _: () = accept.query_async(&mut redis).await.expect("let Redis accept writes");
+
+    wait_ready(&member, 200, Duration::from_secs(30)).await;
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.metric("clickagg_consumption_paused", &[]).await, 0.0);
+    let output = member.output();
+    assert!(!output.contains("maximum poll interval"), "the member stopped polling:\n{output}");
+    assert!(!output.contains("partitions revoked"), "the member lost its partitions:\n{output}");
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_out_of_memory_pauses_consumption_turns_not_ready_and_recovers_by_itself() {
+    let mut refuse = redis::cmd("CONFIG");
+    refuse.arg("SET").arg("maxmemory").arg("1");
+    let mut accept = redis::cmd("CONFIG");
+    accept.arg("SET").arg("maxmemory").arg("0");
+    redis_refusing_writes("redisoom", refuse, accept, "redis out of memory", "out_of_memory").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_turned_read_only_pauses_consumption_turns_not_ready_and_recovers_by_itself() {
+    // A replica of a master that does not exist: it keeps its data and refuses writes.
+    let mut refuse = redis::cmd("REPLICAOF");
+    refuse.arg("127.0.0.1").arg(crate::helpers::stack::free_port());
+    let mut accept = redis::cmd("REPLICAOF");
+    accept.arg("NO").arg("ONE");
+    redis_refusing_writes("redisro", refuse, accept, "redis read-only", "read_only").await;
+}
