@@ -5,7 +5,7 @@
 //! it sees; a probe re-checks both every few seconds so an idle member notices too.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,7 +24,54 @@ use crate::sink::Sink;
 pub struct Health {
     assigned_partitions: AtomicUsize,
     redis_ok: AtomicBool,
+    /// Why claims fail right now ([`RedisTrouble`] as u8, 0 while they succeed). Kept
+    /// apart from `redis_ok`, which the probe's PING sets: a Redis out of memory or
+    /// read-only still answers PING, but the member cannot claim.
+    claims_failing: AtomicU8,
     clickhouse_ok: AtomicBool,
+}
+
+/// Why Redis refuses claims; decides the readiness reason and the metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RedisTrouble {
+    Unreachable = 1,
+    OutOfMemory = 2,
+    ReadOnly = 3,
+}
+
+impl RedisTrouble {
+    pub const ALL: [RedisTrouble; 3] = [RedisTrouble::Unreachable, RedisTrouble::OutOfMemory, RedisTrouble::ReadOnly];
+
+    /// Reads a Redis error: OOM (maxmemory reached with noeviction) and READONLY (the
+    /// node became a replica, e.g. after a failover) are the two ways a reachable Redis
+    /// refuses writes; anything else counts as unreachable.
+    pub fn of(error: &str) -> RedisTrouble {
+        if error.contains("OOM") || error.contains("maxmemory") {
+            RedisTrouble::OutOfMemory
+        } else if error.contains("READONLY") || error.contains("read only replica") {
+            RedisTrouble::ReadOnly
+        } else {
+            RedisTrouble::Unreachable
+        }
+    }
+
+    /// The `kind` label of `clickagg_redis_errors_total`.
+    pub fn label(self) -> &'static str {
+        match self {
+            RedisTrouble::Unreachable => "unreachable",
+            RedisTrouble::OutOfMemory => "out_of_memory",
+            RedisTrouble::ReadOnly => "read_only",
+        }
+    }
+
+    fn reason(self) -> &'static str {
+        match self {
+            RedisTrouble::Unreachable => "redis unreachable",
+            RedisTrouble::OutOfMemory => "redis out of memory: claims refused (raise maxmemory)",
+            RedisTrouble::ReadOnly => "redis read-only: claims refused (point redis.url at the master)",
+        }
+    }
 }
 
 impl Health {
@@ -40,6 +87,19 @@ impl Health {
         self.redis_ok.store(ok, Ordering::Relaxed);
     }
 
+    /// Records the outcome of a claim request: `None` on success.
+    pub fn set_claims_failing(&self, trouble: Option<RedisTrouble>) {
+        self.claims_failing.store(trouble.map_or(0, |t| t as u8), Ordering::Relaxed);
+        if trouble.is_none() {
+            self.set_redis(true);
+        }
+    }
+
+    /// Whether the last claim request failed: consumption pauses until one succeeds.
+    pub fn claims_failing(&self) -> Option<RedisTrouble> {
+        RedisTrouble::ALL.into_iter().find(|&t| t as u8 == self.claims_failing.load(Ordering::Relaxed))
+    }
+
     pub fn set_clickhouse(&self, ok: bool) {
         self.clickhouse_ok.store(ok, Ordering::Relaxed);
     }
@@ -50,8 +110,10 @@ impl Health {
         if self.assigned_partitions.load(Ordering::Relaxed) == 0 {
             not.push("no partitions assigned");
         }
-        if !self.redis_ok.load(Ordering::Relaxed) {
-            not.push("redis unreachable");
+        match self.claims_failing() {
+            Some(trouble) => not.push(trouble.reason()),
+            None if !self.redis_ok.load(Ordering::Relaxed) => not.push(RedisTrouble::Unreachable.reason()),
+            None => {}
         }
         if !self.clickhouse_ok.load(Ordering::Relaxed) {
             not.push("clickhouse unreachable");

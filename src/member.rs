@@ -16,6 +16,7 @@
 //! whatever an operator reset the group to.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,9 @@ pub struct GroupContext {
     max_backoff: Duration,
     /// How long a revoke may wait for its flush and commit.
     drain_timeout: Duration,
+    /// Set while the loop holds consumption paused (backpressure): partitions assigned
+    /// meanwhile are paused as they arrive, or they would be read without bound.
+    paused: Arc<AtomicBool>,
 }
 
 impl GroupContext {
@@ -110,6 +114,12 @@ impl GroupContext {
         };
         if let Err(e) = assigned {
             warn!(error = %e, "assigning partitions failed");
+        }
+        if self.paused.load(Ordering::Relaxed) {
+            if let Err(e) = consumer.pause(tpl) {
+                warn!(error = %e, "could not pause the assigned partitions");
+            }
+            info!(?partitions, "assigned partitions start paused, as the member is");
         }
         info!(?partitions, "partitions assigned");
         self.block_on(async {
@@ -254,6 +264,7 @@ impl Member {
             sink,
             self.health.clone(),
         )));
+        let paused = Arc::new(AtomicBool::new(false));
         let context = GroupContext {
             stages: stages.clone(),
             flusher: flusher.clone(),
@@ -263,6 +274,7 @@ impl Member {
             shutdown: shutdown.clone(),
             max_backoff: s.pipeline.max_backoff,
             drain_timeout: s.pipeline.drain_timeout,
+            paused: paused.clone(),
         };
         let consumer: Arc<StreamConsumer<GroupContext>> =
             Arc::new(source::group_consumer_config(&s.kafka).create_with_context(context)?);
@@ -270,7 +282,15 @@ impl Member {
         consumer.subscribe(&[s.kafka.topic.as_str()])?;
         info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
 
-        let parts = Loop { consumer: &consumer, stages: &stages, flusher: &flusher, claimer, verdicts };
+        let parts = Loop {
+            consumer: &consumer,
+            stages: &stages,
+            flusher: &flusher,
+            claimer,
+            verdicts,
+            health: &self.health,
+            paused: &paused,
+        };
         let exit = match parts.run(s, &shutdown, &fatal).await {
             Ok(()) => drain(&stages, &flusher, s.pipeline.drain_timeout).await,
             Err(e) => {
@@ -307,6 +327,9 @@ struct Loop<'a> {
     flusher: &'a Flusher,
     claimer: Claimer,
     verdicts: Verdicts,
+    health: &'a Health,
+    /// Shared with the rebalance callbacks (`GroupContext::paused`).
+    paused: &'a AtomicBool,
 }
 
 impl Loop<'_> {
@@ -323,18 +346,18 @@ impl Loop<'_> {
         // Poll batches whose claims are in Redis, oldest first; their verdicts come back
         // in this order. Two at most: one being decided while the next is decoded.
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
-        let mut paused = false;
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
         let limits = self.stages.lock().await.limits().clone();
 
         loop {
-            paused = self.backpressure(paused, max_unflushed).await?;
+            let paused = self.backpressure(max_unflushed).await?;
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
                 message = fatal.raised() => return Err(PipelineError::Fatal(message)),
                 answer = self.verdicts.recv(), if !in_flight.is_empty() => {
                     let prepared = in_flight.pop_front().expect("checked");
+                    metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
                     let verdicts = answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))??;
                     self.apply(prepared, verdicts).await?;
                 }
@@ -346,7 +369,10 @@ impl Loop<'_> {
                         self.flusher.send(job).await;
                     }
                 }
-                chunk = chunks.next(), if in_flight.len() < 2 => {
+                // Polled even with two batches in flight while paused: polling keeps the
+                // member in the group and serves rebalances through a long outage, and
+                // little arrives once consumption is paused.
+                chunk = chunks.next(), if in_flight.len() < 2 || paused => {
                     let Some(chunk) = chunk else { return Ok(()) };
                     let mut records = Vec::with_capacity(chunk.len());
                     for message in chunk {
@@ -366,7 +392,8 @@ impl Loop<'_> {
                     let mut prepared = self.stages.lock().await.prepare(records);
                     // Every batch goes through the claim task, claims or not, so that
                     // the verdicts come back in batch order.
-                    self.claimer.claim(prepared.take_claims()).await;
+                    self.claimer.claim(prepared.take_claims());
+                    metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).increment(prepared.len() as f64);
                     in_flight.push_back(prepared);
                 }
             }
@@ -389,24 +416,31 @@ impl Loop<'_> {
         Ok(())
     }
 
-    /// While ClickHouse cannot take the rows, stop fetching but keep polling, so the
-    /// member stays in the group and rebalances are served. Returns whether paused.
-    async fn backpressure(&self, paused: bool, max_unflushed: usize) -> Result<bool, PipelineError> {
+    /// While ClickHouse cannot take the rows, or Redis refuses claims (unreachable, out
+    /// of memory, read-only), stop fetching but keep polling, so the member stays in the
+    /// group and rebalances are served. Returns whether paused.
+    async fn backpressure(&self, max_unflushed: usize) -> Result<bool, PipelineError> {
         let held = self.stages.lock().await.unflushed_buckets() + self.flusher.buckets_in_flight();
-        let over = held >= max_unflushed;
-        if over != paused {
+        let redis = self.health.claims_failing();
+        let pause = held >= max_unflushed || redis.is_some();
+        if pause != self.paused.load(Ordering::Relaxed) {
+            // Set before pausing: a rebalance callback checks it for new partitions.
+            self.paused.store(pause, Ordering::Relaxed);
             let assignment = self.consumer.assignment()?;
-            if over {
+            if pause {
                 self.consumer.pause(&assignment)?;
-                warn!(unflushed_buckets = held, "pausing consumption until ClickHouse takes the backlog");
+                match redis {
+                    Some(trouble) => warn!(redis = trouble.label(), "pausing consumption until Redis accepts claims"),
+                    None => warn!(unflushed_buckets = held, "pausing consumption until ClickHouse takes the backlog"),
+                }
             } else {
                 self.consumer.resume(&assignment)?;
                 info!("resuming consumption");
             }
-            metrics::gauge!(t::PAUSED).set(if over { 1.0 } else { 0.0 });
+            metrics::gauge!(t::PAUSED).set(if pause { 1.0 } else { 0.0 });
         }
         metrics::gauge!(t::BUCKETS_HELD).set(held as f64);
-        Ok(over)
+        Ok(pause)
     }
 }
 

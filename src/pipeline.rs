@@ -275,6 +275,15 @@ impl Prepared {
     pub fn has_claims(&self) -> bool {
         !self.claimed.is_empty()
     }
+
+    /// Records in this batch (the ones its reader had not seen yet).
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
 }
 
 impl Stages {

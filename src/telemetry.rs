@@ -46,6 +46,8 @@ pub const CLICKHOUSE_RETRIES: &str = "clickagg_clickhouse_retries_total";
 pub const KAFKA_ERRORS: &str = "clickagg_kafka_errors_total";
 pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
+/// Records read whose claims Redis has not answered yet (poll batches in flight).
+pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
 
 /// Explicit flush-duration buckets, seconds: a healthy flush takes milliseconds, a
 /// struggling server seconds.
@@ -85,7 +87,6 @@ pub fn register_zeroes() {
         DEDUP_SWEPT,
         FLUSHES,
         ROWS_FLUSHED,
-        REDIS_ERRORS,
         REDIS_RETRIES,
         CLICKHOUSE_ERRORS,
         CLICKHOUSE_RETRIES,
@@ -98,7 +99,11 @@ pub fn register_zeroes() {
     for reason in ["undecidable", "lag"] {
         metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
+    for trouble in crate::health::RedisTrouble::ALL {
+        metrics::counter!(REDIS_ERRORS, "kind" => trouble.label()).absolute(0);
+    }
     metrics::gauge!(PAUSED).set(0.0);
+    metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);
 }
 

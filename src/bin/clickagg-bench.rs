@@ -153,7 +153,7 @@ async fn claims_rate(redis_url: String, n: u64, chunk: usize) -> anyhow::Result<
     let mut chunks = chunks.into_iter();
     while received < total {
         while sent < total && sent - received < 2 {
-            claimer.claim(chunks.next().expect("counted")).await;
+            claimer.claim(chunks.next().expect("counted"));
             sent += 1;
         }
         verdicts.recv().await.expect("claimer running")?;

@@ -424,7 +424,10 @@ pub async fn sweep_forever(
 /// `start` returns, one answer per batch (a batch without claims is answered at once,
 /// in its turn).
 pub struct Claimer {
-    tx: tokio::sync::mpsc::Sender<Vec<Claim>>,
+    // Unbounded: the member loop bounds what it hands over (two batches in flight,
+    // fewer than that reaching it while consumption is paused), and must never block
+    // here, or it would stop polling Kafka and be evicted from the group.
+    tx: tokio::sync::mpsc::UnboundedSender<Vec<Claim>>,
 }
 
 /// The verdicts of the handed-over batches, in order.
@@ -437,7 +440,7 @@ impl Claimer {
         health: std::sync::Arc<crate::health::Health>,
     ) -> (Claimer, Verdicts) {
         use crate::telemetry as t;
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<Claim>>(4);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Claim>>();
         let (answer_tx, answers) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
             let log_limit = t::RateLimiter::new(Duration::from_secs(5));
@@ -446,13 +449,15 @@ impl Claimer {
                 let answer = loop {
                     match cache.claim(&claims).await {
                         Ok(v) => {
-                            health.set_redis(true);
+                            health.set_claims_failing(None);
                             break Ok(v);
                         }
                         Err(e) if e.is_fatal() => break Err(e),
                         Err(e) => {
-                            health.set_redis(false);
-                            metrics::counter!(t::REDIS_ERRORS).increment(1);
+                            // The member loop pauses consumption while this is set.
+                            let trouble = crate::health::RedisTrouble::of(&e.to_string());
+                            health.set_claims_failing(Some(trouble));
+                            metrics::counter!(t::REDIS_ERRORS, "kind" => trouble.label()).increment(1);
                             metrics::counter!(t::REDIS_RETRIES).increment(1);
                             if log_limit.allow("redis", std::time::Instant::now()).is_some() {
                                 tracing::warn!(error = %e, "dedup failed; retrying with backoff");
@@ -472,8 +477,8 @@ impl Claimer {
         (Claimer { tx }, answers)
     }
 
-    /// Hands one poll batch's claims over (waiting while four are queued).
-    pub async fn claim(&self, claims: Vec<Claim>) {
-        let _ = self.tx.send(claims).await;
+    /// Hands one poll batch's claims over.
+    pub fn claim(&self, claims: Vec<Claim>) {
+        let _ = self.tx.send(claims);
     }
 }
