@@ -65,9 +65,12 @@ impl fmt::Display for Minute {
 }
 
 /// A valid click: what the rest of the pipeline sees.
+///
+/// `Id` is how the click ID is kept: [`ClickId`] (the text) by default; the pipeline
+/// keeps only its dedup fingerprint (see [`decode_with`]), so a click costs no allocation.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Click {
-    pub click_id: ClickId,
+pub struct Click<Id = ClickId> {
+    pub click_id: Id,
     pub ad_id: u64,
     /// Event time in milliseconds since the epoch, as the ad server reported it.
     pub ts_ms: i64,
@@ -226,6 +229,17 @@ fn event_time_ms<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
 /// (create or log-append time); when a record has none, the time checks are skipped
 /// rather than judged against the wall clock.
 pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits) -> Result<Click, Rejection> {
+    decode_with(payload, record_ts_ms, limits, |id| ClickId(id.to_owned()))
+}
+
+/// [`decode`], keeping the click ID as `id_of` makes it from the text borrowed from the
+/// payload (the pipeline hashes it to its fingerprint there and then).
+pub fn decode_with<Id>(
+    payload: Option<&[u8]>,
+    record_ts_ms: Option<i64>,
+    limits: &Limits,
+    id_of: impl FnOnce(&str) -> Id,
+) -> Result<Click<Id>, Rejection> {
     let bytes = match payload {
         None | Some([]) => return Err(Rejection::new(RejectReason::EmptyPayload, "record has no value")),
         Some(b) => b,
@@ -270,7 +284,7 @@ pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits
     let minute = Minute::from_millis(wire.ts).ok_or_else(|| {
         Rejection::new(RejectReason::TimestampOutOfRange, format!("ts {} ms is outside 1970..2106", wire.ts))
     })?;
-    Ok(Click { click_id: ClickId(wire.click_id.into_owned()), ad_id: wire.ad_id, ts_ms: wire.ts, minute })
+    Ok(Click { click_id: id_of(&wire.click_id), ad_id: wire.ad_id, ts_ms: wire.ts, minute })
 }
 
 fn classify_json_error(e: serde_json::Error) -> Rejection {

@@ -704,6 +704,11 @@ impl Settings {
         crate::dedup::Fingerprinter::new(self.dedup.fingerprint_key.expose())
     }
 
+    /// Decodes records as every reader does: these limits, this fingerprint key.
+    pub fn decoder(&self) -> crate::source::Decoder {
+        crate::source::Decoder { limits: self.validation.limits(), fingerprints: self.fingerprinter() }
+    }
+
     /// The Redis client, with credentials from the URL or from `username`/`password`.
     pub fn redis_client(&self) -> Result<redis::Client, ConfigError> {
         let mut info: redis::ConnectionInfo = redis::IntoConnectionInfo::into_connection_info(self.redis.url.expose())

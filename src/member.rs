@@ -257,13 +257,8 @@ impl Member {
             fatal: fatal.clone(),
         }));
         let (claimer, verdicts) = Claimer::start(s.shared_cache()?, s.pipeline.max_backoff, self.health.clone());
-        let stages = Arc::new(Mutex::new(Stages::new(
-            StagesConfig::from_settings(s),
-            cache,
-            s.fingerprinter(),
-            sink,
-            self.health.clone(),
-        )));
+        let stages =
+            Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), cache, sink, self.health.clone())));
         let paused = Arc::new(AtomicBool::new(false));
         let context = GroupContext {
             stages: stages.clone(),
@@ -347,7 +342,7 @@ impl Loop<'_> {
         // in this order. Two at most: one being decided while the next is decoded.
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
-        let limits = self.stages.lock().await.limits().clone();
+        let decoder = s.decoder();
 
         loop {
             let paused = self.backpressure(max_unflushed).await?;
@@ -377,7 +372,7 @@ impl Loop<'_> {
                     let mut records = Vec::with_capacity(chunk.len());
                     for message in chunk {
                         match message {
-                            Ok(msg) => records.push(Record::decode(&msg, &limits)),
+                            Ok(msg) => records.push(Record::decode(&msg, &decoder)),
                             Err(e) => {
                                 metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
                                 if source::is_fatal_kafka(e.rdkafka_error_code()) {

@@ -29,11 +29,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
-use crate::click::Limits;
 use crate::config::Settings;
 use crate::dedup::{
-    Claim, ClaimMode, DedupError, Fingerprint, Fingerprinter, PartitionClock, Pin, PrivateScope, Secs, SharedCache,
-    Sighting, Verdict,
+    Claim, ClaimMode, DedupError, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, SharedCache, Sighting, Verdict,
 };
 use crate::flusher::Job;
 use crate::health::Health;
@@ -153,11 +151,9 @@ impl FatalSignal {
 /// rebalance callbacks.
 pub struct Stages {
     topic: String,
-    limits: Limits,
     pub agg: Aggregator,
     /// For planning starts, restarts and the cached pins (claims go through a `Claimer`).
     cache: SharedCache,
-    fingerprints: Fingerprinter,
     window: Secs,
     max_record_lag: Duration,
     /// The partitions being read, with where each started and how it decides. Records
@@ -216,7 +212,6 @@ impl Distrust {
 
 pub struct StagesConfig {
     pub topic: String,
-    pub limits: Limits,
     pub batch_offsets: BatchOffsets,
     pub window: Duration,
     pub max_record_lag: Duration,
@@ -227,7 +222,6 @@ impl StagesConfig {
     pub fn from_settings(s: &Settings) -> StagesConfig {
         StagesConfig {
             topic: s.kafka.topic.clone(),
-            limits: s.validation.limits(),
             batch_offsets: s.batch_offsets(),
             window: s.dedup_window(),
             max_record_lag: s.dedup.max_record_lag,
@@ -287,20 +281,12 @@ impl Prepared {
 }
 
 impl Stages {
-    pub fn new(
-        cfg: StagesConfig,
-        cache: SharedCache,
-        fingerprints: Fingerprinter,
-        sink: Sink,
-        health: Arc<Health>,
-    ) -> Stages {
+    pub fn new(cfg: StagesConfig, cache: SharedCache, sink: Sink, health: Arc<Health>) -> Stages {
         let window = cfg.window.as_secs().try_into().unwrap_or(Secs::MAX);
         Stages {
             topic: cfg.topic,
-            limits: cfg.limits,
             agg: Aggregator::new(cfg.batch_offsets),
             cache,
-            fingerprints,
             window,
             max_record_lag: cfg.max_record_lag,
             readers: HashMap::new(),
@@ -315,10 +301,6 @@ impl Stages {
             health,
             log_limit: RateLimiter::new(Duration::from_secs(5)),
         }
-    }
-
-    pub fn limits(&self) -> &Limits {
-        &self.limits
     }
 
     /// The partitions being read.
@@ -435,7 +417,7 @@ impl Stages {
             }
             reader.last = r.offset;
             let clock = reader.clock.tick(r.timestamp_ms);
-            let fingerprint = r.outcome.as_ref().ok().map(|c| self.fingerprints.of(c.click_id.as_str()));
+            let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id);
             let warm = r.offset < reader.count_from;
             let generation = reader.generation;
             items.push(Item { record: r, generation, clock, warm, fingerprint, verdict: None });

@@ -91,13 +91,12 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
         pins.insert(p, sink.pins(&s.kafka.topic, p, start, end - 1).await?);
     }
     let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
-    let fingerprints = s.fingerprinter();
     let mut scope = PrivateScope::new(window);
     let mut clocks: BTreeMap<i32, PartitionClock> = BTreeMap::new();
     let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
     let (mut scanned, mut warmup) = (0u64, 0u64);
     let group = format!("{}-reconcile", s.kafka.group);
-    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.validation.limits(), s.pipeline.max_poll_records)?;
+    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.decoder(), s.pipeline.max_poll_records)?;
     while let Some(batch) = reader.next_batch().await.context("reading the topic")? {
         for r in batch {
             let clock = clocks.entry(r.partition).or_default().tick(r.timestamp_ms);
@@ -109,7 +108,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
             }
             let Ok(click) = r.outcome else { continue };
             let pin = if counting { pins[&r.partition].get(&r.offset).copied() } else { None };
-            let verdict = scope.sight(r.partition, fingerprints.of(click.click_id.as_str()).0, clock, pin);
+            let verdict = scope.sight(r.partition, click.click_id.0, clock, pin);
             if counting && verdict.counts() && click.minute >= from && click.minute < to {
                 *expected.entry(BucketKey { ad_id: click.ad_id, minute: click.minute }).or_default() += 1;
             }

@@ -257,11 +257,11 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         fatal: fatal.clone(),
     });
     // The shared cache is never consulted: every start is private (it connects lazily).
-    let mut stages = Stages::new(StagesConfig::from_settings(s), s.shared_cache()?, s.fingerprinter(), sink, health);
+    let mut stages = Stages::new(StagesConfig::from_settings(s), s.shared_cache()?, sink, health);
     stages.assign(with_pins);
 
     let group = format!("{}-replay", s.kafka.group);
-    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.validation.limits(), s.pipeline.max_poll_records)?;
+    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.decoder(), s.pipeline.max_poll_records)?;
     let progress = Progress::new(&read);
     let mut last_flush = Instant::now();
     loop {

@@ -275,7 +275,9 @@ impl Sink {
             None if endpoint.url.starts_with("https://") => Client::default(),
             // Plain HTTP needs no TLS connector, whose set-up (loading the system's CA
             // bundle) costs a `clickagg query` about 60 ms of its start-up.
-            None => Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new())),
+            None => {
+                Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new()))
+            }
         };
         let mut server = base
             .with_url(endpoint.url)
@@ -641,7 +643,14 @@ mod tests {
     }
 
     fn row(ad_id: u64, minute: Minute) -> BatchRow {
-        BatchRow { key: BucketKey { ad_id, minute }, grain: Grain::Minute, partition: 0, batch_start: 0, clicks: 1, version: 0 }
+        BatchRow {
+            key: BucketKey { ad_id, minute },
+            grain: Grain::Minute,
+            partition: 0,
+            batch_start: 0,
+            clicks: 1,
+            version: 0,
+        }
     }
 
     /// The first minute of the `n`th month after January 2000 (UTC).

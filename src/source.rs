@@ -18,9 +18,9 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::click::{decode, Click, Limits, Rejection};
+use crate::click::{decode_with, Click, Limits, Rejection};
 use crate::config::KafkaSettings;
-use crate::dedup::Secs;
+use crate::dedup::{Fingerprint, Fingerprinter, Secs};
 
 /// Consumer properties exactly-once depends on, set here and nowhere else: an override
 /// in `kafka.properties` is refused at start-up. `isolation.level` keeps aborted
@@ -35,7 +35,16 @@ pub struct Record {
     pub partition: i32,
     pub offset: i64,
     pub timestamp_ms: Option<i64>,
-    pub outcome: Result<Click, Box<Rejected>>,
+    /// A valid click keeps its ID only as its dedup fingerprint.
+    pub outcome: Result<Click<Fingerprint>, Box<Rejected>>,
+}
+
+/// What decoding a record needs: the validation limits and the deployment's
+/// fingerprint key.
+#[derive(Clone)]
+pub struct Decoder {
+    pub limits: Limits,
+    pub fingerprints: Fingerprinter,
 }
 
 /// A rejected record with everything the dead letter must carry.
@@ -48,9 +57,10 @@ pub struct Rejected {
 }
 
 impl Record {
-    pub fn decode(msg: &BorrowedMessage<'_>, limits: &Limits) -> Record {
+    pub fn decode(msg: &BorrowedMessage<'_>, decoder: &Decoder) -> Record {
         let timestamp_ms = msg.timestamp().to_millis();
-        let outcome = decode(msg.payload(), timestamp_ms, limits).map_err(|rejection| {
+        let fingerprint = |id: &str| decoder.fingerprints.of(id);
+        let outcome = decode_with(msg.payload(), timestamp_ms, &decoder.limits, fingerprint).map_err(|rejection| {
             let headers = source_headers(msg);
             Box::new(Rejected {
                 rejection,
@@ -440,7 +450,7 @@ pub struct RangeReader {
     topic: String,
     /// Partition → (next offset expected, end). Removed when done.
     open: std::collections::BTreeMap<i32, (i64, i64)>,
-    limits: Limits,
+    decoder: Decoder,
     max_records: usize,
 }
 
@@ -449,7 +459,7 @@ impl RangeReader {
         k: &KafkaSettings,
         group: &str,
         ranges: &Ranges,
-        limits: Limits,
+        decoder: Decoder,
         max_records: usize,
     ) -> Result<RangeReader, KafkaError> {
         let mut config = assigned_consumer_config(k, group);
@@ -468,7 +478,7 @@ impl RangeReader {
         if tpl.count() > 0 {
             consumer.assign(&tpl)?;
         }
-        Ok(RangeReader { consumer, topic: k.topic.clone(), open, limits, max_records })
+        Ok(RangeReader { consumer, topic: k.topic.clone(), open, decoder, max_records })
     }
 
     pub fn consumer(&self) -> &rdkafka::consumer::StreamConsumer {
@@ -484,7 +494,7 @@ impl RangeReader {
     /// partition's end are dropped (and that partition is then done).
     pub async fn next_batch(&mut self) -> Result<Option<Vec<Record>>, KafkaError> {
         use futures_util::{FutureExt, StreamExt};
-        let RangeReader { consumer, topic, open, limits, max_records } = self;
+        let RangeReader { consumer, topic, open, decoder, max_records } = self;
         let finish = |open: &mut std::collections::BTreeMap<i32, (i64, i64)>, p: i32| {
             if open.remove(&p).is_some() {
                 let mut tpl = TopicPartitionList::new();
@@ -516,7 +526,7 @@ impl RangeReader {
                         finish(open, p);
                         continue;
                     }
-                    out.push(Record::decode(&msg, limits));
+                    out.push(Record::decode(&msg, decoder));
                     if msg.offset() + 1 >= end {
                         finish(open, p);
                     } else {

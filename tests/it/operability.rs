@@ -18,13 +18,13 @@ const CONVERGE: Duration = Duration::from_secs(180);
 async fn counts_below(env: &TestEnv, ends: &BTreeMap<i32, i64>) -> BTreeMap<BucketKey, u64> {
     let ranges = Ranges { partitions: ends.iter().map(|(&p, &e)| (p, (0, e))).collect() };
     let s = env.settings();
-    let mut reader = RangeReader::new(&s.kafka, "prefix-reader", &ranges, s.validation.limits(), 5_000).unwrap();
+    let mut reader = RangeReader::new(&s.kafka, "prefix-reader", &ranges, s.decoder(), 5_000).unwrap();
     let mut seen = HashSet::new();
     let mut counts = BTreeMap::new();
     while let Some(batch) = reader.next_batch().await.unwrap() {
         for r in batch {
             if let Ok(c) = r.outcome {
-                if seen.insert(c.click_id.clone()) {
+                if seen.insert(c.click_id) {
                     *counts.entry(BucketKey { ad_id: c.ad_id, minute: c.minute }).or_default() += 1;
                 }
             }
