@@ -167,7 +167,24 @@ async fn claims_rate(redis_url: String, n: u64, chunk: usize) -> anyhow::Result<
     // Leave no benchmark keys behind.
     let client = redis::Client::open(redis_url.as_str())?;
     let mut conn = client.get_multiplexed_async_connection().await?;
-    let keys: Vec<String> = redis::cmd("KEYS").arg(format!("{prefix}*")).query_async(&mut conn).await?;
+    // SCAN, not KEYS: the shared Redis may hold millions of other keys.
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await?;
+        keys.extend(found);
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
     for batch in keys.chunks(1_000) {
         let _: () = redis::cmd("UNLINK").arg(batch).query_async(&mut conn).await?;
     }
