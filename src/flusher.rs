@@ -186,10 +186,7 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
             let rejected: Vec<&Record> = job.dead_letters.iter().collect();
             loop {
                 match dl.send(&rejected).await {
-                    Ok(n) => {
-                        metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
-                        break;
-                    }
+                    Ok(_) => break,
                     // No retry fixes it (no WRITE on the topic, bad credentials): stop and say what to change.
                     Err(e) if e.is_fatal() => return Err(e.to_string()),
                     Err(e) => {
