@@ -83,7 +83,7 @@ pub struct CommonFlags {
     /// How long shutdown may flush and commit, e.g. 30s [env: CLICKAGG__PIPELINE__DRAIN_TIMEOUT]
     #[arg(long, global = true)]
     pub drain_timeout: Option<String>,
-    /// Address of /metrics, /livez, /readyz [env: CLICKAGG__HTTP__ADDR]
+    /// Address of the status page, /metrics, /livez, /readyz [env: CLICKAGG__HTTP__ADDR]
     #[arg(long, global = true)]
     pub http_addr: Option<String>,
     /// Log format: human or json [env: CLICKAGG__LOG__FORMAT]

@@ -66,13 +66,15 @@ async fn run(s: Settings) -> Result<ExitCode> {
     cancel_on_signals(shutdown.clone());
     let health = Health::new();
     let metrics = telemetry::metrics();
+    health.status().set_identity(crate::status::Identity::of(&s));
     telemetry::register_zeroes();
     let http_stop = CancellationToken::new();
     if s.http.enabled {
-        let (addr, _) = health::serve(s.http.addr, health.clone(), metrics, http_stop.clone())
+        let (addr, _) = health::serve(s.http.addr, health.clone(), metrics.clone(), http_stop.clone())
             .await
             .with_context(|| format!("binding http.addr {}", s.http.addr))?;
-        info!(%addr, "serving /metrics, /livez and /readyz");
+        info!(%addr, "serving /metrics, /livez, /readyz and the status page /");
+        tokio::spawn(crate::status::sample_forever(health.clone(), metrics, Duration::from_secs(1), http_stop.clone()));
         let probe_redis = s.shared_cache()?;
         tokio::spawn(health::probe(
             health.clone(),

@@ -262,6 +262,7 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
     for p in commits.keys() {
         metrics::gauge!(t::LAST_FLUSH, "partition" => p.to_string()).set(now);
     }
+    c.health.status().flushed(commits.keys().copied(), &job.freshness, now);
     let Some(committer) = &c.committer else { return };
     if commits.is_empty() || shared.abandoned.load(Ordering::Relaxed) {
         return;
@@ -271,6 +272,7 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
             for (&p, &offset) in &commits {
                 metrics::gauge!(t::COMMITTED_OFFSET, "partition" => p.to_string()).set(offset as f64);
             }
+            c.health.status().committed(&commits);
             debug!(?commits, "committed");
         }
         Err(e) => {
