@@ -37,6 +37,9 @@ pub enum Command {
     Replay(crate::replay::ReplayArgs),
     /// Recount distinct clicks from the topic for a time range and diff against ClickHouse.
     Reconcile(crate::reconcile::ReconcileArgs),
+    /// The consumer group from Kafka and ClickHouse: each partition's owner, lag and last
+    /// durable flush; exit 4 when a partition stalled.
+    Status(crate::status::group::StatusArgs),
     /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
     Config,
 }

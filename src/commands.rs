@@ -32,6 +32,7 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Query(args) => crate::query::run(&settings, &args).await,
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
+        Command::Status(args) => crate::status::group::run(&settings, &args).await,
         Command::Config => {
             print!("{}", settings.to_redacted_toml());
             Ok(ExitCode::SUCCESS)
@@ -65,8 +66,8 @@ async fn run(s: Settings) -> Result<ExitCode> {
     let shutdown = CancellationToken::new();
     cancel_on_signals(shutdown.clone());
     let health = Health::new();
-    let metrics = telemetry::metrics();
     health.status().set_identity(crate::status::Identity::of(&s));
+    let metrics = telemetry::metrics();
     telemetry::register_zeroes();
     let http_stop = CancellationToken::new();
     if s.http.enabled {

@@ -1,11 +1,16 @@
-//! How the service is doing, seen from one member ([`board`]): what `/status.json` on
-//! `http.addr` reports and the page at `/` (`assets/status.html`) renders: identity,
-//! assigned partitions with their positions, rates, freshness, readiness, clicks per
-//! minute.
+//! How the service is doing, seen from two places:
+//!
+//! - **one member** ([`board`]): what `/status.json` on `http.addr` reports and the
+//!   page at `/` (`assets/status.html`) renders: identity, assigned partitions with
+//!   their positions, rates, freshness, readiness, clicks per minute;
+//! - **the whole group** ([`group`]): `clickagg status`, from outside any member, from
+//!   Kafka (members, assignment, committed offsets, log ends) and ClickHouse (the last
+//!   durable flush of each partition), with an exit code for stalled partitions.
 //!
 //! [`window`] turns the member's own `/metrics` text into rates and quantiles.
 
 pub mod board;
+pub mod group;
 pub mod window;
 
 use std::time::Duration;
