@@ -7,10 +7,12 @@
 //!   Kafka (members, assignment, committed offsets, log ends) and ClickHouse (the last
 //!   durable flush of each partition), with an exit code for stalled partitions.
 //!
-//! [`window`] turns the member's own `/metrics` text into rates and quantiles.
+//! [`window`] turns the member's own `/metrics` text into rates and quantiles; [`kafka`]
+//! holds the broker look-ups of the group view.
 
 pub mod board;
 pub mod group;
+pub mod kafka;
 pub mod window;
 
 use std::time::Duration;
