@@ -158,7 +158,7 @@ impl StatusBoard {
         }
         // Only the last hour is shown; a producer clock far ahead must not grow the map.
         let now = at as u32;
-        minutes.retain(|&m, _| m + MINUTES * 60 > now && m <= now + 600);
+        minutes.retain(|&m, _| m.saturating_add(MINUTES * 60) > now && m <= now.saturating_add(600));
     }
 
     pub fn committed(&self, commits: &BTreeMap<i32, i64>) {
@@ -207,12 +207,13 @@ impl StatusBoard {
             window_seconds: FRESHNESS_WINDOW_SECONDS,
         };
         drop(history);
-        let last_minute = (now as u32).saturating_sub(MINUTES * 60);
+        // Minutes that started within the last hour, up to the current one.
+        let now_s = now as u32;
         let clicks_per_minute = self
             .minutes
             .lock()
             .expect("not poisoned")
-            .range(last_minute + 1..=now as u32)
+            .range(now_s.saturating_sub(MINUTES * 60 - 1)..=now_s)
             .map(|(&m, &clicks)| MinuteClicks { minute: Minute::from_epoch_seconds(m).to_rfc3339(), clicks })
             .collect();
         let (ready, not_ready_reasons) = match readiness {
