@@ -37,6 +37,9 @@ pub enum Command {
     Replay(crate::replay::ReplayArgs),
     /// Recount distinct clicks from the topic for a time range and diff against ClickHouse.
     Reconcile(crate::reconcile::ReconcileArgs),
+    /// The consumer group from Kafka and ClickHouse: each partition's owner, lag and last
+    /// durable flush; exit 4 when a partition stalled.
+    Status(crate::status::group::StatusArgs),
     /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
     Config,
 }
@@ -83,7 +86,7 @@ pub struct CommonFlags {
     /// How long shutdown may flush and commit, e.g. 30s [env: CLICKAGG__PIPELINE__DRAIN_TIMEOUT]
     #[arg(long, global = true)]
     pub drain_timeout: Option<String>,
-    /// Address of /metrics, /livez, /readyz [env: CLICKAGG__HTTP__ADDR]
+    /// Address of the status page, /metrics, /livez, /readyz [env: CLICKAGG__HTTP__ADDR]
     #[arg(long, global = true)]
     pub http_addr: Option<String>,
     /// Log format: human or json [env: CLICKAGG__LOG__FORMAT]

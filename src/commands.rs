@@ -32,6 +32,7 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Query(args) => crate::query::run(&settings, &args).await,
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
+        Command::Status(args) => crate::status::group::run(&settings, &args).await,
         Command::Config => {
             print!("{}", settings.to_redacted_toml());
             Ok(ExitCode::SUCCESS)
@@ -65,14 +66,16 @@ async fn run(s: Settings) -> Result<ExitCode> {
     let shutdown = CancellationToken::new();
     cancel_on_signals(shutdown.clone());
     let health = Health::new();
+    health.status().set_identity(crate::status::Identity::of(&s));
     let metrics = telemetry::metrics();
     telemetry::register_zeroes();
     let http_stop = CancellationToken::new();
     if s.http.enabled {
-        let (addr, _) = health::serve(s.http.addr, health.clone(), metrics, http_stop.clone())
+        let (addr, _) = health::serve(s.http.addr, health.clone(), metrics.clone(), http_stop.clone())
             .await
             .with_context(|| format!("binding http.addr {}", s.http.addr))?;
-        info!(%addr, "serving /metrics, /livez and /readyz");
+        info!(%addr, "serving /metrics, /livez, /readyz and the status page /");
+        tokio::spawn(crate::status::sample_forever(health.clone(), metrics, Duration::from_secs(1), http_stop.clone()));
         let probe_redis = s.shared_cache()?;
         tokio::spawn(health::probe(
             health.clone(),

@@ -145,10 +145,11 @@ impl DeadLetters {
         &self.topic
     }
 
-    /// Produces a dead letter for every rejected record in `records` and waits for all
-    /// acknowledgements. Returns how many were produced; an error means some were not,
-    /// and the caller retries the whole set if it is transient (a retry may duplicate a
-    /// dead letter, which its source-position headers identify) and stops if fatal.
+    /// Produces a dead letter for every rejected record in `records`, waits for all
+    /// acknowledgements and counts them per reason. Returns how many were produced; an
+    /// error means some were not, and the caller retries the whole set if it is
+    /// transient (a retry may duplicate a dead letter, which its source-position headers
+    /// identify) and stops if fatal.
     pub async fn send(&self, records: &[&Record]) -> Result<usize, DeadLetterError> {
         let rejected: Vec<(&Record, &Rejected)> =
             records.iter().filter_map(|r| r.outcome.as_ref().err().map(|x| (*r, &**x))).collect();
@@ -185,6 +186,11 @@ impl DeadLetters {
                 "the broker refused dead letters as too large; sending them without the records' parts"
             );
             pending = too_large;
+        }
+        // Counted here, once all are acknowledged: a set retried after an error is
+        // counted when it finally goes through.
+        for (_, x) in &rejected {
+            metrics::counter!(crate::telemetry::DEAD_LETTERS, "reason" => x.rejection.reason.as_str()).increment(1);
         }
         Ok(rejected.len())
     }

@@ -186,10 +186,7 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
             let rejected: Vec<&Record> = job.dead_letters.iter().collect();
             loop {
                 match dl.send(&rejected).await {
-                    Ok(n) => {
-                        metrics::counter!(t::DEAD_LETTERS).increment(n as u64);
-                        break;
-                    }
+                    Ok(_) => break,
                     // No retry fixes it (no WRITE on the topic, bad credentials): stop and say what to change.
                     Err(e) if e.is_fatal() => return Err(e.to_string()),
                     Err(e) => {
@@ -265,6 +262,7 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
     for p in commits.keys() {
         metrics::gauge!(t::LAST_FLUSH, "partition" => p.to_string()).set(now);
     }
+    c.health.status().flushed(commits.keys().copied(), &job.freshness, now);
     let Some(committer) = &c.committer else { return };
     if commits.is_empty() || shared.abandoned.load(Ordering::Relaxed) {
         return;
@@ -274,6 +272,7 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
             for (&p, &offset) in &commits {
                 metrics::gauge!(t::COMMITTED_OFFSET, "partition" => p.to_string()).set(offset as f64);
             }
+            c.health.status().committed(&commits);
             debug!(?commits, "committed");
         }
         Err(e) => {

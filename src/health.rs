@@ -1,4 +1,6 @@
-//! `/metrics` (Prometheus text), `/livez` and `/readyz` on `http.addr`.
+//! What a member serves on `http.addr`: `/metrics` (Prometheus text), `/livez`,
+//! `/readyz`, and its status page `/` (`assets/status.html`, which polls
+//! `/status.json`, see `status`).
 //!
 //! Ready means: partitions assigned, and Redis and ClickHouse answered their last
 //! check. The pipeline flips the Redis and ClickHouse flags on every success and error
@@ -10,7 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::State;
-use axum::http::StatusCode;
+use axum::http::{header, StatusCode};
+use axum::response::Html;
 use axum::routing::get;
 use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -18,8 +21,14 @@ use tokio_util::sync::CancellationToken;
 
 use crate::dedup::SharedCache;
 use crate::sink::Sink;
+use crate::status::{self, StatusBoard};
+use crate::telemetry as t;
 
-/// What `/readyz` reports; shared by the pipeline, the probe and the HTTP server.
+/// The status page, self-contained: the member's port may be all that is reachable.
+const STATUS_PAGE: &str = include_str!("../assets/status.html");
+
+/// What `/readyz` and the status page report; shared by the pipeline, the flusher,
+/// the probe and the HTTP server.
 #[derive(Debug, Default)]
 pub struct Health {
     assigned_partitions: AtomicUsize,
@@ -29,6 +38,8 @@ pub struct Health {
     /// read-only still answers PING, but the member cannot claim.
     claims_failing: AtomicU8,
     clickhouse_ok: AtomicBool,
+    /// Here because every stage that reports to it already holds the `Health`.
+    status: StatusBoard,
 }
 
 /// Why Redis refuses claims; decides the readiness reason and the metric label.
@@ -104,6 +115,11 @@ impl Health {
         self.clickhouse_ok.store(ok, Ordering::Relaxed);
     }
 
+    /// The state behind `/status.json`.
+    pub fn status(&self) -> &StatusBoard {
+        &self.status
+    }
+
     /// `Ok` when ready, otherwise the reasons it is not.
     pub fn readiness(&self) -> Result<(), Vec<&'static str>> {
         let mut not = Vec::new();
@@ -143,6 +159,8 @@ pub async fn serve(
         .route("/livez", get(|| async { "ok\n" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics_text))
+        .route("/", get(|| async { Html(STATUS_PAGE) }))
+        .route("/status.json", get(status_json))
         .with_state(AppState { health, metrics });
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let bound = listener.local_addr()?;
@@ -163,7 +181,15 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
 }
 
 async fn metrics_text(State(s): State<AppState>) -> String {
+    // Computed when scraped, so it is never older than the scrape.
+    metrics::gauge!(t::READY).set(if s.health.readiness().is_ok() { 1.0 } else { 0.0 });
     s.metrics.render()
+}
+
+async fn status_json(State(s): State<AppState>) -> ([(header::HeaderName, &'static str); 2], String) {
+    let snapshot = s.health.status().snapshot(s.health.readiness(), &s.metrics.render(), status::unix_now());
+    let body = serde_json::to_string(&snapshot).expect("plain data with string keys serializes");
+    ([(header::CONTENT_TYPE, "application/json"), (header::CACHE_CONTROL, "no-store")], body)
 }
 
 /// Re-checks Redis and ClickHouse every `every` until `shutdown`.

@@ -17,7 +17,9 @@
 //! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
 //! - [`pipeline`]: the stages' state and what they do to a poll batch.
 //! - [`member`]: the consumer-group loop, rebalance callbacks and the drain.
-//! - [`health`]: `/metrics`, `/livez`, `/readyz`.
+//! - [`health`]: `/metrics`, `/livez`, `/readyz` and the status page `/` on `http.addr`.
+//! - [`status`]: what a member reports about itself (`/status.json`) and the group view
+//!   of `clickagg status`.
 //! - [`replay`]: backfill by re-reading a range of the topic through the same stages.
 //! - [`query`]: billing counts per ad and minute, hour or day, read through `FINAL`.
 //! - [`reconcile`]: an independent recount of the topic, diffed against ClickHouse.
@@ -44,5 +46,6 @@ pub mod reconcile;
 pub mod replay;
 pub mod sink;
 pub mod source;
+pub mod status;
 pub mod telemetry;
 pub mod verify;

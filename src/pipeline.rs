@@ -375,6 +375,7 @@ impl Stages {
                 );
             }
             self.generation += 1;
+            self.health.status().reading(&start);
             self.readers.insert(p, Reader::new(start, pins, self.generation));
         }
         self.publish_assignment();
@@ -395,6 +396,7 @@ impl Stages {
             self.private.forget(p);
             self.readers.remove(&p);
         }
+        self.health.status().revoked(partitions);
         self.publish_assignment();
         job
     }
@@ -422,6 +424,7 @@ impl Stages {
             let generation = reader.generation;
             items.push(Item { record: r, generation, clock, warm, fingerprint, verdict: None });
         }
+        self.health.status().read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
         let distrusted = self.lagging(&items);
         let mut claims = Vec::new();
         let mut claimed = Vec::new();
@@ -583,6 +586,7 @@ impl Stages {
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => why.as_str()).increment(1);
         self.private.forget(partition);
         self.generation += 1;
+        self.health.status().reading(&start);
         self.readers.insert(partition, Reader::new(start, pins, self.generation));
         tokio::task::block_in_place(|| {
             consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)

@@ -248,6 +248,16 @@ struct BillingRow {
     clicks: u64,
 }
 
+/// The last durable flush of a partition, as its rows show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LastFlush {
+    /// The highest offset read when a row of the partition was cut: everything up to it
+    /// is durable (a later record that changed no count leaves no row).
+    pub through_offset: i64,
+    /// When that flush's rows were written, server time (Unix s).
+    pub written_at: u32,
+}
+
 /// Billing counts per bucket, as read through `FINAL`.
 pub type Billing = BTreeMap<BucketKey, u64>;
 
@@ -500,6 +510,40 @@ impl Sink {
             )
             .await?;
         Ok(rows.into_iter().map(|r| (r.partition as i32, r.batch_start as i64)).collect())
+    }
+
+    /// Per partition of `topic`, the last durable flush: the highest offset its rows
+    /// cover and when they were written (server time, Unix s); with the server's clock.
+    ///
+    /// Read from the daily roll-up: every flush writes it with the same versions as the
+    /// minute rows (at most one row per ad, day and batch, so far fewer to scan).
+    pub async fn last_flushes(&self, topic: &str) -> Result<(BTreeMap<i32, LastFlush>, u32), SinkError> {
+        #[derive(Row, Deserialize)]
+        struct R {
+            partition: u32,
+            version: u64,
+            written_at: u32,
+        }
+        #[derive(Row, Deserialize)]
+        struct Now {
+            now: u32,
+        }
+        let (day, _) = table_of(Grain::Day);
+        let sql = format!(
+            "SELECT partition, max(version) AS version, toUInt32(max(written_at)) AS written_at \
+             FROM {day} WHERE topic = ? GROUP BY partition"
+        );
+        let rows: Vec<R> = self.timed(self.client.query(&sql).bind(topic).fetch_all::<R>()).await?;
+        let now = self.timed(self.client.query("SELECT toUInt32(now()) AS now").fetch_one::<Now>()).await?;
+        let flushes = rows
+            .into_iter()
+            .map(|r| {
+                // The inverse of `stored_version`: the rank is the low bit.
+                let last = LastFlush { through_offset: (r.version / 2) as i64, written_at: r.written_at };
+                (r.partition as i32, last)
+            })
+            .collect();
+        Ok((flushes, now.now))
     }
 
     /// Billing counts per bucket for `topic` (all topics when `None`) in `[from, to)`.

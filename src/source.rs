@@ -186,11 +186,28 @@ pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
         // consumption is paused.
         .set("queued.max.messages.kbytes", "16384")
         .set("statistics.interval.ms", "5000")
-        .set("client.id", "clickagg");
+        .set("client.id", member_client_id(k));
     if let Some(id) = &k.group_instance_id {
         c.set("group.instance.id", id);
     }
     with_properties(c, k)
+}
+
+/// The `client.id` of a group member: `kafka.properties."client.id"` when set, else
+/// `clickagg-<host name>-<pid>`. The group's description lists members by client ID,
+/// so one per process lets `clickagg status` and `kafka-consumer-groups --describe`
+/// name the process that owns each partition (in Kubernetes the host name is the pod's).
+pub fn member_client_id(k: &KafkaSettings) -> String {
+    if let Some(id) = k.properties.get("client.id") {
+        return id.expose().to_string();
+    }
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .map(|h| h.trim().to_string())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "unknown".into());
+    format!("clickagg-{host}-{}", std::process::id())
 }
 
 /// A consumer without a group protocol, for direct assignment (`replay`, `reconcile`).
@@ -583,7 +600,16 @@ mod tests {
         }
         let g = group_consumer_config(&k);
         assert_eq!(g.get("enable.auto.commit"), Some("false"));
+        assert_eq!(member_client_id(&k), "mine");
         assert_eq!(g.get("partition.assignment.strategy"), Some("cooperative-sticky"));
+    }
+
+    #[test]
+    fn a_member_without_a_client_id_property_is_named_after_its_host_and_process() {
+        let id = member_client_id(&KafkaSettings::default());
+        assert!(id.starts_with("clickagg-"), "{id}");
+        assert!(id.ends_with(&format!("-{}", std::process::id())), "{id}");
+        assert_eq!(group_consumer_config(&KafkaSettings::default()).get("client.id"), Some(id.as_str()));
     }
 
     #[test]

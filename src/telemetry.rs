@@ -19,6 +19,7 @@ pub const CLICKS_COUNTED: &str = "clickagg_clicks_counted_total";
 pub const DUPLICATES_DROPPED: &str = "clickagg_duplicates_dropped_total";
 pub const REDELIVERIES: &str = "clickagg_redelivered_clicks_total";
 pub const INVALID_RECORDS: &str = "clickagg_invalid_records_total";
+/// Dead letters the broker acknowledged, per `reason` (the record's rejection).
 pub const DEAD_LETTERS: &str = "clickagg_dead_letters_produced_total";
 pub const WARMUP_RECORDS: &str = "clickagg_warmup_records_total";
 pub const CROSS_PARTITION_DUPLICATES: &str = "clickagg_cross_partition_duplicates_total";
@@ -31,7 +32,7 @@ pub const FLUSH_DURATION: &str = "clickagg_flush_duration_seconds";
 pub const FRESHNESS: &str = "clickagg_freshness_seconds";
 /// Unix time of the last durable flush that covered a partition.
 pub const LAST_FLUSH: &str = "clickagg_last_flush_timestamp_seconds";
-/// 1 when `/readyz` says ready.
+/// 1 when `/readyz` says ready; computed when `/metrics` is scraped.
 pub const READY: &str = "clickagg_ready";
 pub const FLUSHES: &str = "clickagg_flushes_total";
 pub const ROWS_FLUSHED: &str = "clickagg_rows_flushed_total";
@@ -44,6 +45,8 @@ pub const REDIS_RETRIES: &str = "clickagg_redis_retries_total";
 pub const CLICKHOUSE_ERRORS: &str = "clickagg_clickhouse_errors_total";
 pub const CLICKHOUSE_RETRIES: &str = "clickagg_clickhouse_retries_total";
 pub const KAFKA_ERRORS: &str = "clickagg_kafka_errors_total";
+/// The `op` label values of [`KAFKA_ERRORS`]: what the member was doing with Kafka.
+pub const KAFKA_OPS: [&str; 4] = ["client", "consume", "commit", "dead_letter"];
 pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
 /// Records read whose claims Redis has not answered yet (poll batches in flight).
@@ -73,15 +76,16 @@ pub fn metrics() -> PrometheusHandle {
         .clone()
 }
 
-/// Publishes every unlabelled counter at 0, so dashboards and alerts see the series
-/// before the first event (a missing series reads as "no data", not as zero).
+/// Publishes every counter at 0 (each label value of the labelled ones) and registers
+/// the histograms, so dashboards and alerts see the series before the first event (a
+/// missing series reads as "no data", not as zero: a ratio or an alert over it would
+/// never be evaluated). The per-partition gauges appear with their partitions.
 pub fn register_zeroes() {
     for name in [
         RECORDS_CONSUMED,
         CLICKS_COUNTED,
         DUPLICATES_DROPPED,
         REDELIVERIES,
-        DEAD_LETTERS,
         WARMUP_RECORDS,
         CROSS_PARTITION_DUPLICATES,
         DEDUP_SWEPT,
@@ -95,7 +99,14 @@ pub fn register_zeroes() {
     }
     for reason in crate::click::RejectReason::ALL {
         metrics::counter!(INVALID_RECORDS, "reason" => reason.as_str()).absolute(0);
+        metrics::counter!(DEAD_LETTERS, "reason" => reason.as_str()).absolute(0);
     }
+    for op in KAFKA_OPS {
+        metrics::counter!(KAFKA_ERRORS, "op" => op).absolute(0);
+    }
+    // A registered histogram is exported with every bucket at 0.
+    let _ = metrics::histogram!(FLUSH_DURATION);
+    let _ = metrics::histogram!(FRESHNESS);
     for reason in ["undecidable", "lag"] {
         metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
@@ -104,6 +115,7 @@ pub fn register_zeroes() {
     }
     metrics::gauge!(PAUSED).set(0.0);
     metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);
+    metrics::gauge!(READY).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);
 }
 

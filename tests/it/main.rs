@@ -13,3 +13,4 @@ mod helpers;
 mod operability;
 mod query;
 mod robustness;
+mod status;

@@ -1,5 +1,6 @@
 //! Test helpers, one file per concern:
 //!
+//! - [`browser`]: the status page in headless Chromium, and its DOM contract;
 //! - [`env`]: the test's own slice of the shared services (`TestEnv`), producing clicks,
 //!   reading billing counts;
 //! - [`process`]: the `clickagg` child processes (`Member`) and their captured output;
@@ -8,6 +9,7 @@
 //! - [`http`]: the member's HTTP endpoints and the metrics text;
 //! - [`wait`]: the one way to wait for a condition (`wait_until`).
 
+pub mod browser;
 pub mod env;
 pub mod http;
 pub mod kafka;
