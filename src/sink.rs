@@ -25,6 +25,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("002_clickagg_topics.sql", include_str!("../sql/002_clickagg_topics.sql")),
     ("003_clickagg_pins.sql", include_str!("../sql/003_clickagg_pins.sql")),
     ("004_ad_clicks_rollups.sql", include_str!("../sql/004_ad_clicks_rollups.sql")),
+    ("005_clickagg_backfills.sql", include_str!("../sql/005_clickagg_backfills.sql")),
 ];
 
 /// The table and time column of each grain.
@@ -352,24 +353,33 @@ impl Sink {
         Ok(applied)
     }
 
-    /// Fills an empty roll-up from the minute rows: per batch and hour (or day), the sum
-    /// of the batch's latest minute rows, with the latest of their versions. Returns
-    /// whether it wrote anything.
+    /// Fills a roll-up from the minute rows written before it existed, once (recorded
+    /// in `clickagg_backfills`): per batch and hour (or day), the sum of the batch's
+    /// latest minute rows, with the latest of their versions — the row the flush itself
+    /// writes for that batch and hour, so rows the flush already wrote are replaced by
+    /// equal ones, and an interrupted backfill is simply run again. Returns whether it
+    /// wrote anything.
     async fn backfill(&self, grain: Grain) -> Result<bool, SinkError> {
         let (table, time) = table_of(grain);
-        let count = |t: &str| format!("SELECT count() FROM {t}");
-        let empty = self.timed(self.client.query(&count(table)).fetch_one::<u64>()).await? == 0;
-        if !empty || self.timed(self.client.query(&count(TABLE)).fetch_one::<u64>()).await? == 0 {
+        let done = format!("SELECT count() FROM clickagg_backfills FINAL WHERE name = '{table}'");
+        if self.timed(self.client.query(&done).fetch_one::<u64>()).await? > 0 {
             return Ok(false);
         }
-        let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
-        self.execute(&format!(
-            "INSERT INTO {table} (ad_id, {time}, topic, partition, batch_start, clicks, version) \
-             SELECT ad_id, {start}(minute) AS {time}, topic, partition, batch_start, sum(clicks), max(version) \
-             FROM {TABLE} FINAL GROUP BY ad_id, {time}, topic, partition, batch_start"
-        ))
-        .await?;
-        Ok(true)
+        let minute_rows = format!("SELECT count() FROM {TABLE}");
+        let wrote = self.timed(self.client.query(&minute_rows).fetch_one::<u64>()).await? > 0;
+        if wrote {
+            tracing::info!(table, "backfilling from the minute rows (minutes for a large table)");
+            let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
+            let fill = format!(
+                "INSERT INTO {table} (ad_id, {time}, topic, partition, batch_start, clicks, version) \
+                 SELECT ad_id, {start}(minute) AS {time}, topic, partition, batch_start, sum(clicks), max(version) \
+                 FROM {TABLE} FINAL GROUP BY ad_id, {time}, topic, partition, batch_start"
+            );
+            // Not bounded by clickhouse.timeout: it reads every minute row once.
+            self.client.query(&fill).execute().await.map_err(classify)?;
+        }
+        self.execute(&format!("INSERT INTO clickagg_backfills (name) VALUES ('{table}')")).await?;
+        Ok(wrote)
     }
 
     /// Round trip for readiness checks.
