@@ -5,7 +5,10 @@
 --
 -- Parameters: those of sql/billing.sql (table, time, from, to, by, all_ads, ads, topic;
 -- the ads filter narrows the candidates), and
---   top       how many ads, e.g. 10
+--   top         how many ads, e.g. 10
+--   rank_table  the table that ranks the ads: the coarsest that covers [from, to)
+--   rank_time   exactly (ad_clicks_day over whole days, whatever the buckets), and
+--               its time column; the buckets of the top ads come from `table`
 --
 -- Run it with a current clickhouse-client:
 --
@@ -13,6 +16,7 @@
 --     --param_table=ad_clicks_day --param_time=day \
 --     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
 --     --param_by=day --param_all_ads=1 --param_ads='[]' --param_topic='' --param_top=10 \
+--     --param_rank_table=ad_clicks_day --param_rank_time=day \
 --     < sql/billing_top.sql
 --
 -- The rows come ordered by ad_id; `clickagg query --top N` lists the ads by their
@@ -30,9 +34,9 @@ WHERE {time:Identifier} >= {from:DateTime('UTC')}
   AND ({topic:String} = '' OR topic = {topic:String})
   AND ad_id IN (
       SELECT ad_id
-      FROM {table:Identifier} FINAL
-      WHERE {time:Identifier} >= {from:DateTime('UTC')}
-        AND {time:Identifier} < {to:DateTime('UTC')}
+      FROM {rank_table:Identifier} FINAL
+      WHERE {rank_time:Identifier} >= {from:DateTime('UTC')}
+        AND {rank_time:Identifier} < {to:DateTime('UTC')}
         AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
         AND ({topic:String} = '' OR topic = {topic:String})
       GROUP BY ad_id
