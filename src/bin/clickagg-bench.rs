@@ -200,7 +200,9 @@ async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Re
 /// Bytes of Redis memory per dedup key, for `keys` keys of one layout.
 async fn memory(redis_url: String, keys: u64, layout: Layout) -> anyhow::Result<()> {
     let client = redis::Client::open(redis_url.as_str())?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
+    // No response timeout: FLUSHALL of millions of keys takes seconds.
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+    let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
     let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await?;
     let _: () = redis::cmd("MEMORY").arg("PURGE").query_async(&mut conn).await?;
     let before = used_memory(&mut conn).await?;
