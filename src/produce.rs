@@ -410,6 +410,16 @@ mod tests {
         assert!(truth.duplicates > 1_500 && truth.late > 100, "{}", truth.summary());
     }
 
+    /// A chaos run or a metrics test can only prove every class is dead-lettered if the
+    /// generator makes every class the decoder knows.
+    #[test]
+    fn every_reject_class_is_generated() {
+        let (_, truth) = plan(&Spec { malformed_ratio: 0.05, ..spec() });
+        for reason in RejectReason::ALL {
+            assert!(truth.malformed.get(&reason).copied().unwrap_or(0) > 0, "no {reason} record: {}", truth.summary());
+        }
+    }
+
     #[test]
     fn popularity_is_skewed() {
         let (_, truth) = plan(&spec());
