@@ -32,7 +32,7 @@ use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer}
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::aggregate::BucketKey;
-use crate::click::{Minute, RejectReason};
+use crate::click::{Limits, Minute, RejectReason};
 use crate::config::KafkaSettings;
 use crate::source;
 
@@ -156,18 +156,11 @@ impl Truth {
     }
 }
 
-/// The malformed classes the generator cycles through.
-const MALFORMED: &[RejectReason] = &[
-    RejectReason::MalformedJson,
-    RejectReason::MissingField,
-    RejectReason::WrongType,
-    RejectReason::EmptyClickId,
-    RejectReason::ClickIdTooLong,
-    RejectReason::NotUtf8,
-    RejectReason::TimestampAhead,
-    RejectReason::TimestampBehind,
-    RejectReason::EmptyPayload,
-];
+/// The Kafka timestamp of a record whose event time ClickHouse cannot store: one second
+/// after the epoch. The decoder judges lateness against the record timestamp first, so
+/// only a record stamped this early can carry an event time before 1970 that is not
+/// also far behind it. (librdkafka reads a timestamp of 0 as "now".)
+const ANCIENT_RECORD_MS: i64 = 1_000;
 
 fn click_id(rng: &mut StdRng) -> String {
     let a: u64 = rng.random();
@@ -193,9 +186,11 @@ fn click_json(id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
     }
 }
 
-fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> Vec<u8> {
+/// A record of the class `reason`, rejected under the default [`Limits`]: its payload
+/// and its Kafka timestamp (the send time, except where the class needs another).
+fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, i64) {
     let id = click_id(rng);
-    match reason {
+    let payload = match reason {
         RejectReason::MalformedJson => format!(r#"{{"click_id":"{id}","ad_id":12,"ts":"#).into_bytes(),
         RejectReason::MissingField => format!(r#"{{"click_id":"{id}","ts":{send_ms}}}"#).into_bytes(),
         RejectReason::WrongType => format!(r#"{{"click_id":"{id}","ad_id":"twelve","ts":{send_ms}}}"#).into_bytes(),
@@ -217,8 +212,20 @@ fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> Vec<u8> {
             format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, send_ms - 30 * 86_400_000).into_bytes()
         }
         RejectReason::EmptyPayload => Vec::new(),
-        other => unreachable!("the generator does not make {other}"),
-    }
+        // A click that would be valid but for its size: the size alone must reject it.
+        // Padding of one repeated byte compresses to almost nothing on the wire.
+        RejectReason::Oversized => {
+            let head = format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{send_ms},"pad":""#);
+            let pad = Limits::default().max_payload_bytes + 1 - head.len();
+            format!(r#"{head}{}"}}"#, " ".repeat(pad)).into_bytes()
+        }
+        // Two seconds behind its record, so only the range check can reject it.
+        RejectReason::TimestampOutOfRange => {
+            let payload = format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, ANCIENT_RECORD_MS - 2_000);
+            return (payload.into_bytes(), ANCIENT_RECORD_MS);
+        }
+    };
+    (payload, send_ms)
 }
 
 /// The records to send, in order, and the ground truth they imply.
@@ -235,14 +242,15 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
         let send_ms = spec.start_ms + (i as i64 * span_ms) / spec.count.max(1) as i64;
         let roll: f64 = rng.random();
         if roll < spec.malformed_ratio {
-            let reason = MALFORMED[malformed_i % MALFORMED.len()];
+            // Every class the decoder knows, in turn.
+            let reason = RejectReason::ALL[malformed_i % RejectReason::ALL.len()];
             malformed_i += 1;
             *truth.malformed.entry(reason).or_default() += 1;
-            let payload = malformed(reason, send_ms, &mut rng);
+            let (payload, timestamp_ms) = malformed(reason, send_ms, &mut rng);
             records.push(Planned {
                 key: format!("bad-{i}"),
                 payload,
-                timestamp_ms: send_ms,
+                timestamp_ms,
                 kind: Kind::Malformed(reason),
                 partition: None,
             });
@@ -369,7 +377,7 @@ pub async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::click::{decode, Limits};
+    use crate::click::decode;
     use std::collections::HashSet;
 
     fn spec() -> Spec {
