@@ -218,7 +218,11 @@ impl Member {
     pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
         let s = &self.settings;
         let sink = Sink::new(&s.clickhouse);
-        wait_for_clickhouse(&sink, s.pipeline.max_backoff, &shutdown).await?;
+        if !wait_for_clickhouse(&sink, s.pipeline.max_backoff, &shutdown).await? {
+            // Stopped before joining the group: nothing was read, so nothing is owed.
+            info!("shut down while waiting for ClickHouse; nothing was read");
+            return Ok(Exit::Drained);
+        }
         sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
         check_topic_not_recreated(s, &sink).await?;
         self.health.set_clickhouse(true);
@@ -460,21 +464,21 @@ async fn drain(stages: &Mutex<Stages>, flusher: &Flusher, timeout: Duration) -> 
 }
 
 /// At startup ClickHouse may still be coming up: wait with backoff (a fatal error such
-/// as a wrong password ends the wait at once).
+/// as a wrong password ends the wait at once). `false` when shut down first.
 async fn wait_for_clickhouse(
     sink: &Sink,
     max_backoff: Duration,
     shutdown: &CancellationToken,
-) -> Result<(), PipelineError> {
+) -> Result<bool, PipelineError> {
     let mut backoff = Backoff::new(max_backoff);
     loop {
         match sink.ping().await {
-            Ok(()) => return Ok(()),
+            Ok(()) => return Ok(true),
             Err(e) if e.is_fatal() => return Err(e.into()),
             Err(e) => {
                 warn!(error = %e, "waiting for ClickHouse");
                 if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                    return Err(PipelineError::Fatal("shut down while waiting for ClickHouse".into()));
+                    return Ok(false);
                 }
             }
         }

@@ -32,7 +32,7 @@ use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer}
 use rdkafka::types::RDKafkaErrorCode;
 
 use crate::aggregate::BucketKey;
-use crate::click::{Minute, RejectReason};
+use crate::click::{Limits, Minute, RejectReason};
 use crate::config::KafkaSettings;
 use crate::source;
 
@@ -156,23 +156,22 @@ impl Truth {
     }
 }
 
-/// The malformed classes the generator cycles through.
-const MALFORMED: &[RejectReason] = &[
-    RejectReason::MalformedJson,
-    RejectReason::MissingField,
-    RejectReason::WrongType,
-    RejectReason::EmptyClickId,
-    RejectReason::ClickIdTooLong,
-    RejectReason::NotUtf8,
-    RejectReason::TimestampAhead,
-    RejectReason::TimestampBehind,
-    RejectReason::EmptyPayload,
-];
+/// The Kafka timestamp of a record whose event time ClickHouse cannot store: one second
+/// after the epoch. The decoder judges lateness against the record timestamp first, so
+/// only a record stamped this early can carry an event time before 1970 that is not
+/// also far behind it. (librdkafka reads a timestamp of 0 as "now".)
+const ANCIENT_RECORD_MS: i64 = 1_000;
 
-fn click_id(rng: &mut StdRng) -> String {
+/// The 128 random bits of a click ID; kept instead of the ID for every click sent, so
+/// that a run of millions of records can repeat any of them without holding the strings.
+fn click_id_bits(rng: &mut StdRng) -> (u64, u64) {
     let a: u64 = rng.random();
     let b: u64 = rng.random();
-    // UUID-shaped (36 bytes), like the IDs ad servers usually send.
+    (a, b)
+}
+
+/// UUID-shaped (36 bytes), like the IDs ad servers usually send.
+fn format_click_id((a, b): (u64, u64)) -> String {
     format!(
         "{:08x}-{:04x}-4{:03x}-{:04x}-{:012x}",
         a >> 32,
@@ -181,6 +180,10 @@ fn click_id(rng: &mut StdRng) -> String {
         (b >> 48) & 0x3fff | 0x8000,
         b & 0xffff_ffff_ffff
     )
+}
+
+fn click_id(rng: &mut StdRng) -> String {
+    format_click_id(click_id_bits(rng))
 }
 
 fn click_json(id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
@@ -193,9 +196,11 @@ fn click_json(id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
     }
 }
 
-fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> Vec<u8> {
+/// A record of the class `reason`, rejected under the default [`Limits`]: its payload
+/// and its Kafka timestamp (the send time, except where the class needs another).
+fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, i64) {
     let id = click_id(rng);
-    match reason {
+    let payload = match reason {
         RejectReason::MalformedJson => format!(r#"{{"click_id":"{id}","ad_id":12,"ts":"#).into_bytes(),
         RejectReason::MissingField => format!(r#"{{"click_id":"{id}","ts":{send_ms}}}"#).into_bytes(),
         RejectReason::WrongType => format!(r#"{{"click_id":"{id}","ad_id":"twelve","ts":{send_ms}}}"#).into_bytes(),
@@ -217,50 +222,111 @@ fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> Vec<u8> {
             format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, send_ms - 30 * 86_400_000).into_bytes()
         }
         RejectReason::EmptyPayload => Vec::new(),
-        other => unreachable!("the generator does not make {other}"),
-    }
+        // A click that would be valid but for its size: the size alone must reject it.
+        // Padding of one repeated byte compresses to almost nothing on the wire.
+        RejectReason::Oversized => {
+            let head = format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{send_ms},"pad":""#);
+            let pad = Limits::default().max_payload_bytes + 1 - head.len();
+            format!(r#"{head}{}"}}"#, " ".repeat(pad)).into_bytes()
+        }
+        // Two seconds behind its record, so only the range check can reject it.
+        RejectReason::TimestampOutOfRange => {
+            let payload = format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, ANCIENT_RECORD_MS - 2_000);
+            return (payload.into_bytes(), ANCIENT_RECORD_MS);
+        }
+    };
+    (payload, send_ms)
 }
 
 /// The records to send, in order, and the ground truth they imply.
 pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
-    let mut rng = StdRng::seed_from_u64(spec.seed);
-    let zipf = Zipf::new(spec.ads.max(1) as f64, spec.zipf_exponent).expect("valid Zipf parameters");
-    let mut truth = Truth::default();
-    let mut sent: Vec<(String, u64, i64)> = Vec::new();
-    let mut records = Vec::with_capacity(spec.count as usize);
-    let span_ms = spec.span.as_millis() as i64;
-    let mut malformed_i = 0usize;
+    let mut generator = Generator::new(spec.clone());
+    let records = generator.by_ref().collect();
+    (records, generator.into_truth())
+}
 
-    for i in 0..spec.count {
+/// [`plan`] one record at a time: the same records, without holding them all, for runs
+/// of millions. The ground truth grows with every record taken.
+pub struct Generator {
+    spec: Spec,
+    rng: StdRng,
+    zipf: Zipf<f64>,
+    truth: Truth,
+    /// Every new click so far (ID bits, ad, event time): duplicates repeat one of them.
+    sent: Vec<((u64, u64), u64, i64)>,
+    /// Index of the next record.
+    next: u64,
+    malformed: usize,
+}
+
+impl Generator {
+    pub fn new(spec: Spec) -> Generator {
+        let zipf = Zipf::new(spec.ads.max(1) as f64, spec.zipf_exponent).expect("valid Zipf parameters");
+        Generator {
+            rng: StdRng::seed_from_u64(spec.seed),
+            zipf,
+            truth: Truth::default(),
+            sent: Vec::new(),
+            next: 0,
+            malformed: 0,
+            spec,
+        }
+    }
+
+    /// The ground truth of the records taken so far.
+    pub fn truth(&self) -> &Truth {
+        &self.truth
+    }
+
+    pub fn into_truth(self) -> Truth {
+        self.truth
+    }
+}
+
+impl Iterator for Generator {
+    type Item = Planned;
+
+    fn next(&mut self) -> Option<Planned> {
+        let (spec, rng, truth) = (&self.spec, &mut self.rng, &mut self.truth);
+        if self.next >= spec.count {
+            return None;
+        }
+        let i = self.next;
+        self.next += 1;
+        let span_ms = spec.span.as_millis() as i64;
         let send_ms = spec.start_ms + (i as i64 * span_ms) / spec.count.max(1) as i64;
         let roll: f64 = rng.random();
         if roll < spec.malformed_ratio {
-            let reason = MALFORMED[malformed_i % MALFORMED.len()];
-            malformed_i += 1;
+            // Every class the decoder knows, in turn.
+            let reason = RejectReason::ALL[self.malformed % RejectReason::ALL.len()];
+            self.malformed += 1;
             *truth.malformed.entry(reason).or_default() += 1;
-            let payload = malformed(reason, send_ms, &mut rng);
-            records.push(Planned {
+            let (payload, timestamp_ms) = malformed(reason, send_ms, rng);
+            Some(Planned {
                 key: format!("bad-{i}"),
                 payload,
-                timestamp_ms: send_ms,
+                timestamp_ms,
                 kind: Kind::Malformed(reason),
                 partition: None,
-            });
-        } else if roll < spec.malformed_ratio + spec.duplicate_ratio && !sent.is_empty() {
+            })
+        } else if roll < spec.malformed_ratio + spec.duplicate_ratio && !self.sent.is_empty() {
+            let sent = &self.sent;
             // Mostly a quick retry of a recent click; sometimes a much older one.
             let idx = if rng.random_bool(0.7) {
                 sent.len() - 1 - rng.random_range(0..sent.len().min(50))
             } else {
                 rng.random_range(0..sent.len())
             };
-            let (id, ad_id, ts) = sent[idx].clone();
+            let (bits, ad_id, ts) = sent[idx];
+            let id = format_click_id(bits);
             truth.duplicates += 1;
-            let payload = click_json(&id, ad_id, ts, &mut rng);
+            let payload = click_json(&id, ad_id, ts, rng);
             let key = if rng.random_bool(spec.cross_partition_ratio) { format!("{id}#copy-{i}") } else { id };
-            records.push(Planned { key, payload, timestamp_ms: send_ms, kind: Kind::Duplicate, partition: None });
+            Some(Planned { key, payload, timestamp_ms: send_ms, kind: Kind::Duplicate, partition: None })
         } else {
-            let id = click_id(&mut rng);
-            let ad_id = zipf.sample(&mut rng) as u64;
+            let bits = click_id_bits(rng);
+            let id = format_click_id(bits);
+            let ad_id = self.zipf.sample(rng) as u64;
             let late = rng.random_bool(spec.late_ratio);
             let delay_ms = if late { rng.random_range(60_000..20 * 60_000) } else { rng.random_range(0..2_000) };
             let ts = send_ms - delay_ms;
@@ -268,18 +334,17 @@ pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
             *truth.counts.entry(BucketKey { ad_id, minute }).or_default() += 1;
             truth.clicks += 1;
             truth.late += u64::from(late);
-            let payload = click_json(&id, ad_id, ts, &mut rng);
-            records.push(Planned {
-                key: id.clone(),
+            let payload = click_json(&id, ad_id, ts, rng);
+            self.sent.push((bits, ad_id, ts));
+            Some(Planned {
+                key: id,
                 payload,
                 timestamp_ms: send_ms,
                 kind: if late { Kind::LateClick } else { Kind::Click },
                 partition: None,
-            });
-            sent.push((id, ad_id, ts));
+            })
         }
     }
-    (records, truth)
 }
 
 /// Counts delivery failures; the generator fails if any record was not acknowledged,
@@ -312,11 +377,13 @@ pub enum SendError {
 
 /// Sends `records` to `topic` (created with `partitions` partitions if missing), at
 /// most `rate` records per second when given. Returns once every record is acknowledged.
-pub async fn send(
+/// `records` may be a slice or a [`Generator`]: nothing is held after it is handed to
+/// the producer. `progress` hears the number of records handed over so far.
+pub async fn send<R: std::borrow::Borrow<Planned>>(
     k: &KafkaSettings,
     topic: &str,
     partitions: i32,
-    records: &[Planned],
+    records: impl IntoIterator<Item = R>,
     rate: Option<u64>,
     mut progress: impl FnMut(u64),
 ) -> Result<(), SendError> {
@@ -326,9 +393,11 @@ pub async fn send(
         .set("queue.buffering.max.messages", "500000")
         .create_with_context(deliveries.clone())?;
     let started = Instant::now();
-    for (i, r) in records.iter().enumerate() {
+    let mut sent = 0u64;
+    for r in records {
+        let r = r.borrow();
         if let Some(rate) = rate.filter(|r| *r > 0) {
-            let due = started + Duration::from_secs_f64(i as f64 / rate as f64);
+            let due = started + Duration::from_secs_f64(sent as f64 / rate as f64);
             let now = Instant::now();
             if due > now {
                 tokio::time::sleep(due - now).await;
@@ -351,13 +420,14 @@ pub async fn send(
                 Err((e, _)) => return Err(e.into()),
             }
         }
-        if i % 10_000 == 0 {
-            progress(i as u64);
+        if sent.is_multiple_of(10_000) {
+            progress(sent);
         }
+        sent += 1;
     }
     let flush = producer.clone();
     tokio::task::spawn_blocking(move || flush.flush(Duration::from_secs(120))).await.expect("flush task")?;
-    progress(records.len() as u64);
+    progress(sent);
     let failed = deliveries.failed.load(Ordering::Relaxed);
     if failed > 0 {
         let first = deliveries.first_error.lock().expect("not poisoned").clone().unwrap_or_default();
@@ -369,7 +439,7 @@ pub async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::click::{decode, Limits};
+    use crate::click::decode;
     use std::collections::HashSet;
 
     fn spec() -> Spec {
@@ -408,6 +478,16 @@ mod tests {
         assert_eq!(rejected, truth.malformed_total());
         assert_eq!(truth.clicks + truth.duplicates + truth.malformed_total(), records.len() as u64);
         assert!(truth.duplicates > 1_500 && truth.late > 100, "{}", truth.summary());
+    }
+
+    /// A chaos run or a metrics test can only prove every class is dead-lettered if the
+    /// generator makes every class the decoder knows.
+    #[test]
+    fn every_reject_class_is_generated() {
+        let (_, truth) = plan(&Spec { malformed_ratio: 0.05, ..spec() });
+        for reason in RejectReason::ALL {
+            assert!(truth.malformed.get(&reason).copied().unwrap_or(0) > 0, "no {reason} record: {}", truth.summary());
+        }
     }
 
     #[test]

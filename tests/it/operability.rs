@@ -77,6 +77,19 @@ async fn sigterm_mid_run_flushes_commits_only_durable_clicks_and_a_restart_rerea
     assert_eq!(second.terminate(Duration::from_secs(30)).await, 0);
 }
 
+/// Found by the chaos run: a member restarted during a ClickHouse outage and stopped
+/// before ClickHouse came back had read nothing, yet exited 1 ("shut down while
+/// waiting for ClickHouse"), which an orchestrator reads as a failed stop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_clickhouse_is_unreachable_at_start_exits_0_with_nothing_to_drain() {
+    let env = TestEnv::new("sigtermstart").await;
+    // Nothing listens there: the member waits as for a server still starting.
+    let unreachable = format!("http://127.0.0.1:{}", crate::helpers::stack::free_port());
+    let mut member = env.spawn("m", &["run"], &[("CLICKAGG__CLICKHOUSE__URL", &unreachable)]);
+    member.wait_for_line("waiting for ClickHouse", 0, Duration::from_secs(30)).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0, "{}", member.tail(5));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_readiness_report_what_happened_in_a_run() {
     let env = TestEnv::new("metrics").await;

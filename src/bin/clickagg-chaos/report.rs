@@ -1,0 +1,309 @@
+//! The verdict: counts against the generator's truth (the `verify` diff), dead letters
+//! against the generator's invalid records, the longest stall, peak memory; the table
+//! and the exit status.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clickagg::click::RejectReason;
+use clickagg::config::KafkaSettings;
+use clickagg::dead_letter::{ORIGIN, REASON, SOURCE_OFFSET, SOURCE_PARTITION};
+use clickagg::verify::Diff;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::progress::Stall;
+
+/// The dead letters read back: the distinct source positions the members ("run")
+/// dead-lettered, per reason, and how many letters there were in all.
+#[derive(Debug, Default, Clone)]
+pub struct DeadLetters {
+    pub positions: BTreeMap<String, BTreeSet<(i32, i64)>>,
+    /// Letters produced by a member, re-reads (a crash, a rebalance) included.
+    pub from_members: u64,
+    pub from_replays: u64,
+    /// Letters without the headers that name their source.
+    pub unreadable: u64,
+}
+
+impl DeadLetters {
+    /// Takes one letter by its headers.
+    pub fn add(&mut self, header: impl Fn(&str) -> Option<String>) {
+        let position = header(SOURCE_PARTITION)
+            .and_then(|p| p.parse().ok())
+            .zip(header(SOURCE_OFFSET).and_then(|o| o.parse().ok()));
+        let (Some(reason), Some(position), Some(origin)) = (header(REASON), position, header(ORIGIN)) else {
+            self.unreadable += 1;
+            return;
+        };
+        if origin == "replay" {
+            // A replay's letters repeat positions a member dead-lettered (or should
+            // have): they must not make up for a letter a member failed to send.
+            self.from_replays += 1;
+            return;
+        }
+        self.from_members += 1;
+        self.positions.entry(reason).or_default().insert(position);
+    }
+
+    pub fn received(&self, reason: RejectReason) -> u64 {
+        self.positions.get(reason.as_str()).map_or(0, |s| s.len() as u64)
+    }
+
+    /// Reads the whole dead-letter topic, up to its end when the call starts.
+    /// Blocking: broker round trips.
+    pub fn read(k: &KafkaSettings, topic: &str) -> Result<DeadLetters> {
+        let timeout = Duration::from_secs(15);
+        let consumer: BaseConsumer = clickagg::source::assigned_consumer_config(k, "clickagg-chaos-dead-letters")
+            .set("enable.partition.eof", "false")
+            .create()?;
+        let parts = match clickagg::source::partitions(&consumer, topic, timeout) {
+            Ok(parts) => parts,
+            // No member ever produced a letter: every expected one is missing.
+            Err(e) if e.rdkafka_error_code() == Some(rdkafka::types::RDKafkaErrorCode::UnknownTopicOrPartition) => {
+                return Ok(DeadLetters::default());
+            }
+            Err(e) => return Err(e).with_context(|| format!("topic {topic}")),
+        };
+        let mut tpl = TopicPartitionList::new();
+        let mut ends = BTreeMap::new();
+        for p in parts {
+            let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
+            if high > low {
+                tpl.add_partition_offset(topic, p, Offset::Offset(low))?;
+                ends.insert(p, high);
+            }
+        }
+        consumer.assign(&tpl)?;
+        let mut out = DeadLetters::default();
+        let mut quiet = std::time::Instant::now();
+        while !ends.is_empty() {
+            match consumer.poll(Duration::from_millis(500)) {
+                Some(Ok(m)) => {
+                    quiet = std::time::Instant::now();
+                    let headers = m.headers();
+                    out.add(|name| {
+                        headers?
+                            .iter()
+                            .find(|h| h.key == name)
+                            .and_then(|h| h.value)
+                            .map(|v| String::from_utf8_lossy(v).into_owned())
+                    });
+                    if ends.get(&m.partition()).is_some_and(|&end| m.offset() + 1 >= end) {
+                        ends.remove(&m.partition());
+                    }
+                }
+                Some(Err(e)) => anyhow::bail!("reading {topic}: {e}"),
+                None if quiet.elapsed() > Duration::from_secs(60) => {
+                    anyhow::bail!("reading {topic}: nothing for 60 s with partitions {ends:?} unfinished")
+                }
+                None => {}
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A finding from the run outside the numbers: a member that exited on its own, a
+/// replay or a graceful leave that failed.
+pub type Incident = String;
+
+/// Everything the table shows.
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub records_sent: u64,
+    pub clicks_sent: u64,
+    pub duplicates_sent: u64,
+    pub diff: Diff,
+    pub invalid_sent: BTreeMap<RejectReason, u64>,
+    pub dead_letters: DeadLetters,
+    pub stall: Stall,
+    /// Longest injected outage plus the slack the issue allows.
+    pub stall_limit: Duration,
+    pub peak_rss_kib: u64,
+    pub peak_rss_of: String,
+    pub faults: Vec<String>,
+    pub incidents: Vec<Incident>,
+    pub wall: Duration,
+}
+
+impl Outcome {
+    pub fn lost(&self) -> u64 {
+        self.diff.mismatches.iter().map(|m| m.expected.saturating_sub(m.actual)).sum()
+    }
+
+    pub fn doubled(&self) -> u64 {
+        self.diff.mismatches.iter().map(|m| m.actual.saturating_sub(m.expected)).sum()
+    }
+
+    pub fn dead_letters_expected(&self) -> u64 {
+        self.invalid_sent.values().sum()
+    }
+
+    /// Per reason: (expected, received).
+    fn dead_letters_by_reason(&self) -> Vec<(RejectReason, u64, u64)> {
+        RejectReason::ALL
+            .iter()
+            .map(|&r| (r, self.invalid_sent.get(&r).copied().unwrap_or(0), self.dead_letters.received(r)))
+            .collect()
+    }
+
+    /// Why the run fails; empty when it passes.
+    pub fn failures(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.lost() > 0 {
+            out.push(format!("{} clicks lost", self.lost()));
+        }
+        if self.doubled() > 0 {
+            out.push(format!("{} clicks counted twice", self.doubled()));
+        }
+        for (reason, expected, received) in self.dead_letters_by_reason() {
+            if received < expected {
+                out.push(format!("{} {reason} dead letters missing", expected - received));
+            }
+            if received > expected {
+                out.push(format!("{} {reason} dead letters for records that are not invalid", received - expected));
+            }
+        }
+        if self.dead_letters.unreadable > 0 {
+            out.push(format!("{} dead letters without their source headers", self.dead_letters.unreadable));
+        }
+        if self.stall.length_s > self.stall_limit.as_secs_f64() {
+            out.push(format!(
+                "partition {} made no progress for {:.0} s (limit {} s)",
+                self.stall.partition,
+                self.stall.length_s,
+                self.stall_limit.as_secs()
+            ));
+        }
+        out.extend(self.incidents.iter().cloned());
+        out
+    }
+
+    /// A Markdown table, so a result can go into the README as it is.
+    pub fn table(&self) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "| {:<36} | {:<60} |", "chaos run", "result");
+        let _ = writeln!(s, "|{}|{}|", "-".repeat(38), "-".repeat(62));
+        let mut row = |what: &str, value: String| {
+            let _ = writeln!(s, "| {what:<36} | {value:<60} |");
+        };
+        row(
+            "records sent",
+            format!(
+                "{} ({} clicks, {} duplicates, {} invalid)",
+                self.records_sent,
+                self.clicks_sent,
+                self.duplicates_sent,
+                self.dead_letters_expected()
+            ),
+        );
+        row("clicks sent (distinct, valid)", self.clicks_sent.to_string());
+        row("clicks counted (ClickHouse, FINAL)", self.diff.clicks_actual.to_string());
+        row("clicks lost (per-bucket deficits)", self.lost().to_string());
+        row("clicks double (per-bucket surpluses)", self.doubled().to_string());
+        row("dead letters expected", format!("{} (invalid records sent)", self.dead_letters_expected()));
+        row(
+            "dead letters received",
+            format!(
+                "{} distinct source positions ({} letters from members, {} from replays)",
+                self.dead_letters.positions.values().map(BTreeSet::len).sum::<usize>(),
+                self.dead_letters.from_members,
+                self.dead_letters.from_replays
+            ),
+        );
+        let by_reason: Vec<String> = self
+            .dead_letters_by_reason()
+            .iter()
+            .map(|(r, e, g)| if e == g { format!("{r} {g}") } else { format!("{r} {g}/{e}") })
+            .collect();
+        for chunk in by_reason.chunks(3) {
+            row("  per reason", chunk.join(", "));
+        }
+        row(
+            "longest partition without progress",
+            format!(
+                "{:.0} s (partition {}, from {:.0} s, at offset {}; limit {} s)",
+                self.stall.length_s,
+                self.stall.partition,
+                self.stall.from_s,
+                self.stall.committed,
+                self.stall_limit.as_secs()
+            ),
+        );
+        row("peak RSS of a member (VmHWM)", format!("{} MiB ({})", self.peak_rss_kib / 1024, self.peak_rss_of));
+        for f in &self.faults {
+            row("injected", f.clone());
+        }
+        row("wall time", format!("{:.0} s", self.wall.as_secs_f64()));
+        let failures = self.failures();
+        row("verdict", if failures.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", failures.join("; ")) });
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clickagg::aggregate::BucketKey;
+    use clickagg::click::Minute;
+    use clickagg::verify::diff;
+
+    fn letter(reason: &str, p: i32, o: i64, origin: &str) -> impl Fn(&str) -> Option<String> {
+        let headers = BTreeMap::from([
+            (REASON.to_string(), reason.to_string()),
+            (SOURCE_PARTITION.to_string(), p.to_string()),
+            (SOURCE_OFFSET.to_string(), o.to_string()),
+            (ORIGIN.to_string(), origin.to_string()),
+        ]);
+        move |name| headers.get(name).cloned()
+    }
+
+    fn outcome(expected: u64, actual: u64) -> Outcome {
+        let k = BucketKey { ad_id: 1, minute: Minute::from_epoch_seconds(60) };
+        Outcome {
+            records_sent: expected,
+            clicks_sent: expected,
+            duplicates_sent: 0,
+            diff: diff(&BTreeMap::from([(k, expected)]), &BTreeMap::from([(k, actual)])),
+            invalid_sent: BTreeMap::from([(RejectReason::Oversized, 2)]),
+            dead_letters: DeadLetters::default(),
+            stall: Stall::default(),
+            stall_limit: Duration::from_secs(60),
+            peak_rss_kib: 0,
+            peak_rss_of: String::new(),
+            faults: Vec::new(),
+            incidents: Vec::new(),
+            wall: Duration::ZERO,
+        }
+    }
+
+    #[test]
+    fn copies_of_a_dead_letter_count_once_and_a_replays_letter_never_stands_in_for_a_members() {
+        let mut d = DeadLetters::default();
+        d.add(letter("oversized", 0, 10, "run"));
+        d.add(letter("oversized", 0, 10, "run")); // re-read after a crash
+        d.add(letter("oversized", 1, 20, "replay"));
+        assert_eq!(d.received(RejectReason::Oversized), 1);
+        assert_eq!((d.from_members, d.from_replays), (2, 1));
+        let mut o = outcome(5, 5);
+        o.dead_letters = d;
+        assert_eq!(o.failures(), vec!["1 oversized dead letters missing".to_string()]);
+    }
+
+    #[test]
+    fn a_run_fails_on_loss_double_counts_and_a_long_stall() {
+        let mut o = outcome(5, 5);
+        o.dead_letters.add(letter("oversized", 0, 1, "run"));
+        o.dead_letters.add(letter("oversized", 0, 2, "run"));
+        assert!(o.failures().is_empty(), "{:?}", o.failures());
+        assert!(o.table().contains("PASS"));
+        assert_eq!(outcome(5, 3).lost(), 2);
+        assert_eq!(outcome(5, 8).doubled(), 3);
+        o.stall = Stall { partition: 2, from_s: 10.0, length_s: 61.0, committed: 0, log_end: 9 };
+        assert_eq!(o.failures(), vec!["partition 2 made no progress for 61 s (limit 60 s)".to_string()]);
+    }
+}
