@@ -346,7 +346,16 @@ impl Stages {
         let frontiers = self.cache.frontiers(partitions).await?;
         let mut starts = Vec::new();
         for (&p, &m) in &marks {
-            let start = position::shared_start(p, m, frontiers.get(&p).copied());
+            let (frontier, lost) = position::merge_frontiers(frontiers.get(&p).map_or(&[][..], Vec::as_slice), m);
+            if lost {
+                warn!(
+                    partition = p,
+                    "part of the dedup cache lost this partition's state (a Redis node that lost its data?); \
+                     rebuilding it from the log"
+                );
+                metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
+            }
+            let start = position::shared_start(p, m, frontier);
             if start.read_from == m.lookback && m.lookback < m.boundary {
                 // The cache lacks everything before the lookback: its re-reads below the
                 // boundary cannot be trusted after this warm-up.
@@ -360,7 +369,7 @@ impl Stages {
                 committed = ?requested.get(&p).copied().flatten(),
                 count_from = start.count_from,
                 read_from = start.read_from,
-                cache_frontier = ?frontiers.get(&p).map(|f| f.claimed),
+                cache_frontier = ?frontier.map(|f| f.claimed),
                 "partition start planned"
             );
             starts.push((start, pins));

@@ -95,7 +95,7 @@ pub fn register_zeroes() {
     for reason in crate::click::RejectReason::ALL {
         metrics::counter!(INVALID_RECORDS, "reason" => reason.as_str()).absolute(0);
     }
-    for reason in ["undecidable", "lag"] {
+    for reason in ["undecidable", "lag", "lost"] {
         metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
     metrics::gauge!(PAUSED).set(0.0);

@@ -1,8 +1,9 @@
 //! The Redis function (`claim.lua`) against its Rust statement (`dedup::decide_shared`):
 //! the same random claims — fresh and re-read, pinned, warm-up, on several partitions,
-//! across restarts — must get the same verdicts from both.
+//! across restarts, spread over one key group or several — must get the same verdicts
+//! from both. `cluster.rs` runs the same comparison against a Redis Cluster.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use clickagg::dedup::{
     decide_shared, Chain, Claim, ClaimMode, Fingerprint, Frontier, Pin, SharedCache, Sighting, Verdict,
@@ -12,56 +13,88 @@ use rand::{Rng, SeedableRng};
 
 use crate::helpers::TestEnv;
 
-const WINDOW: u32 = 20;
+pub const WINDOW: u32 = 20;
+pub const SHARDS: u32 = 4096;
 
-/// The Rust model of one topic's cache.
+/// One key group of the cache, as the Rust model holds it.
 #[derive(Default)]
-struct Model {
+struct Group {
     entries: HashMap<u128, Vec<Chain>>,
     frontier: HashMap<i32, (i64, i64)>,
+    /// Cross-partition verdicts not yet durable (`x:<partition>`).
+    pins: HashSet<(i32, i64)>,
+}
+
+/// The Rust model of one topic's cache.
+pub struct Model {
+    groups: Vec<Group>,
 }
 
 impl Model {
-    fn claim(&mut self, c: &Claim) -> Verdict {
-        let s = c.sighting;
-        let f = self.frontier.get(&s.partition).map(|&(claimed, exact_from)| Frontier { claimed, exact_from });
-        let v = decide_shared(self.entries.entry(c.fingerprint.0).or_default(), s, f, c.mode, WINDOW);
-        if f.is_none_or(|f| s.offset > f.claimed) {
-            self.frontier.insert(s.partition, (s.offset, f.map_or(0, |f| f.exact_from)));
-        }
-        v
+    pub fn new(groups: u32) -> Model {
+        Model { groups: (0..groups).map(|_| Group::default()).collect() }
     }
 
-    fn restart(&mut self, partition: i32, lookback: i64, boundary: i64) {
-        if self.frontier.get(&partition).is_none_or(|&(claimed, _)| claimed < lookback - 1) {
-            self.frontier.insert(partition, (lookback - 1, boundary));
+    /// One poll batch: each claim in its group (`shard mod groups`), in order, then the
+    /// batch's marks (the highest offset per partition) in every group.
+    pub fn claim(&mut self, claims: &[Claim]) -> Vec<Verdict> {
+        let mut marks: BTreeMap<i32, i64> = BTreeMap::new();
+        let n = self.groups.len() as u32;
+        let verdicts = claims
+            .iter()
+            .map(|c| {
+                let s = c.sighting;
+                let mark = marks.entry(s.partition).or_insert(s.offset);
+                *mark = (*mark).max(s.offset);
+                let group = &mut self.groups[(c.fingerprint.shard(SHARDS) % n) as usize];
+                let f = group.frontier.get(&s.partition).map(|&(claimed, exact_from)| Frontier { claimed, exact_from });
+                let reread = f.is_some_and(|f| s.offset <= f.claimed);
+                let cached = reread && group.pins.contains(&(s.partition, s.offset));
+                let v = decide_shared(group.entries.entry(c.fingerprint.0).or_default(), s, f, c.mode, cached, WINDOW);
+                if c.mode.pin.is_none() && v.pin().is_some() && !reread {
+                    group.pins.insert((s.partition, s.offset));
+                }
+                if !reread {
+                    group.frontier.insert(s.partition, (s.offset, f.map_or(0, |f| f.exact_from)));
+                }
+                v
+            })
+            .collect();
+        for group in &mut self.groups {
+            for (&p, &o) in &marks {
+                let now = group.frontier.get(&p).copied();
+                if now.is_none_or(|(claimed, _)| o > claimed) {
+                    group.frontier.insert(p, (o, now.map_or(0, |(_, exact_from)| exact_from)));
+                }
+            }
+        }
+        verdicts
+    }
+
+    pub fn restart(&mut self, partition: i32, lookback: i64, boundary: i64) {
+        for group in &mut self.groups {
+            if group.frontier.get(&partition).is_none_or(|&(claimed, _)| claimed < lookback - 1) {
+                group.frontier.insert(partition, (lookback - 1, boundary));
+            }
         }
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_redis_function_decides_every_claim_as_the_rust_model_does() {
-    for seed in 0..4 {
-        compare(seed).await;
-    }
-}
-
-async fn compare(seed: u64) {
-    let env = TestEnv::new("luamodel").await;
-    let s = env.settings();
-    let window = std::time::Duration::from_secs(u64::from(WINDOW));
-    let mut cache =
-        SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, 4096, 1, window, s.redis.timeout);
-    let mut model = Model::default();
+/// Random batches of claims through `cache` and through the model; every verdict must
+/// agree. Returns how many claims were compared.
+pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
+    let mut model = Model::new(cache.groups());
     let mut rng = StdRng::seed_from_u64(seed);
-    // Few click IDs over few shards, so that entries collect several partitions' chains.
+    // Few click IDs over few shards, so that entries collect several partitions' chains
+    // (and, with several groups, the shards fall in different groups).
     let ids: Vec<Fingerprint> = (0..40u128).map(|i| Fingerprint(((i % 5) << 96) | (i * 7919))).collect();
     let mut next: HashMap<i32, i64> = HashMap::new();
     let mut clock: HashMap<i32, u32> = HashMap::new();
     let mut checked = 0;
     for round in 0..100 {
-        // Now and then a reader starts over from an earlier offset (a re-read), or after a
-        // lost cache (a restart whose warm-up makes the cache exact only from a boundary).
+        // Now and then a reader starts over from an earlier offset (a re-read: claims the
+        // cache holds already, its own included), or after a lost cache (a restart whose
+        // warm-up makes the cache exact only from a boundary).
         if round % 7 == 3 {
             let p = rng.random_range(0..3);
             let back = rng.random_range(0..30);
@@ -87,11 +120,41 @@ async fn compare(seed: u64) {
             *o += 1;
         }
         let from_redis = cache.claim(&claims).await.unwrap();
-        let from_model: Vec<Verdict> = claims.iter().map(|c| model.claim(c)).collect();
+        let from_model = model.claim(&claims);
         for (i, (r, m)) in from_redis.iter().zip(&from_model).enumerate() {
             assert_eq!(r, m, "seed {seed}, round {round}, claim {i}: {:?}", claims[i]);
         }
         checked += claims.len();
     }
-    assert!(checked > 5_000, "{checked} claims compared");
+    checked
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_function_decides_every_claim_as_the_rust_model_does() {
+    for seed in 0..4 {
+        let env = TestEnv::new("luamodel").await;
+        let s = env.settings();
+        let window = std::time::Duration::from_secs(u64::from(WINDOW));
+        let cache =
+            SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, SHARDS, 1, window, s.redis.timeout);
+        let checked = compare(cache, seed).await;
+        assert!(checked > 5_000, "{checked} claims compared");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_function_decides_as_the_rust_model_does_with_the_cache_in_three_key_groups() {
+    // Key groups on one Redis: what a Redis Cluster does, minus the network.
+    for seed in 10..12 {
+        let env = TestEnv::new("luagroups").await;
+        let s = env.settings();
+        let window = std::time::Duration::from_secs(u64::from(WINDOW));
+        let cache =
+            SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, SHARDS, 3, window, s.redis.timeout);
+        let checked = compare(cache, seed).await;
+        assert!(checked > 5_000, "{checked} claims compared");
+        let keys = env.dedup_keys().await;
+        let tags: HashSet<&str> = keys.iter().filter_map(|k| k.split(['{', '}']).nth(1)).collect();
+        assert_eq!(tags.len(), 3, "three hash tags, one per group: {tags:?}");
+    }
 }
