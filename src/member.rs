@@ -215,7 +215,7 @@ impl Member {
         refuse_compacted_topic(s).await?;
 
         let mut cache = s.shared_cache()?;
-        cache.check_eviction_policy().await?;
+        wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
         let sweeper = CancellationToken::new();
         tokio::spawn(crate::dedup::shared::sweep_forever(
             s.shared_cache()?,
@@ -446,6 +446,28 @@ async fn wait_for_clickhouse(
                 warn!(error = %e, "waiting for ClickHouse");
                 if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
                     return Err(PipelineError::Fatal("shut down while waiting for ClickHouse".into()));
+                }
+            }
+        }
+    }
+}
+
+/// Checks the dedup cache's eviction policy, waiting while Redis is unreachable (a
+/// member may start while a Redis Cluster fails over) instead of exiting.
+async fn wait_for_redis(
+    cache: &mut crate::dedup::SharedCache,
+    max_backoff: Duration,
+    shutdown: &CancellationToken,
+) -> Result<(), PipelineError> {
+    let mut backoff = Backoff::new(max_backoff);
+    loop {
+        match cache.check_eviction_policy().await {
+            Ok(()) => return Ok(()),
+            Err(e) if e.is_fatal() => return Err(e.into()),
+            Err(e) => {
+                warn!(error = %e, "waiting for Redis");
+                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
+                    return Err(PipelineError::Fatal("shut down while waiting for Redis".into()));
                 }
             }
         }
