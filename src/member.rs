@@ -36,7 +36,9 @@ use crate::dead_letter::DeadLetters;
 use crate::dedup::{Claimer, Pin, Verdicts};
 use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{sleep_or_shutdown, Backoff, Exit, FatalSignal, PipelineError, Prepared, Stages, StagesConfig};
+use crate::pipeline::{
+    sleep_or_shutdown, until_done, Backoff, Exit, FatalSignal, PipelineError, Prepared, Stages, StagesConfig,
+};
 use crate::position::Start;
 use crate::sink::{Sink, Writer};
 use crate::source::{self, Record};
@@ -208,9 +210,16 @@ impl Member {
     pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
         let s = &self.settings;
         let sink = Sink::new(&s.clickhouse);
-        wait_for_clickhouse(&sink, s.pipeline.max_backoff, &shutdown).await?;
-        sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
-        check_topic_not_recreated(s, &sink).await?;
+        let (ch, backoff) = (&sink, s.pipeline.max_backoff);
+        until_done("reaching ClickHouse", backoff, &shutdown, || async { Ok(ch.ping().await?) }).await?;
+        until_done("registering pipeline.batch_offsets", backoff, &shutdown, || async {
+            Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
+        })
+        .await?;
+        until_done("checking the topic against the stored batches", backoff, &shutdown, || {
+            check_topic_not_recreated(s, ch)
+        })
+        .await?;
         self.health.set_clickhouse(true);
         refuse_compacted_topic(s).await?;
 
@@ -427,28 +436,6 @@ async fn drain(stages: &Mutex<Stages>, flusher: &Flusher, timeout: Duration) -> 
         error!(timeout_ms = timeout.as_millis() as u64, "drain timed out; leaving without committing unflushed work");
         flusher.abandon();
         Ok(Exit::DrainTimedOut)
-    }
-}
-
-/// At startup ClickHouse may still be coming up: wait with backoff (a fatal error such
-/// as a wrong password ends the wait at once).
-async fn wait_for_clickhouse(
-    sink: &Sink,
-    max_backoff: Duration,
-    shutdown: &CancellationToken,
-) -> Result<(), PipelineError> {
-    let mut backoff = Backoff::new(max_backoff);
-    loop {
-        match sink.ping().await {
-            Ok(()) => return Ok(()),
-            Err(e) if e.is_fatal() => return Err(e.into()),
-            Err(e) => {
-                warn!(error = %e, "waiting for ClickHouse");
-                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                    return Err(PipelineError::Fatal("shut down while waiting for ClickHouse".into()));
-                }
-            }
-        }
     }
 }
 

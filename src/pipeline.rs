@@ -660,6 +660,34 @@ impl Reader {
     }
 }
 
+/// Runs a start-up step until it succeeds. Transient failures — a service still
+/// coming up, a failover, on an older ClickHouse cluster another member's quorum insert
+/// in the way — are logged and retried with backoff; a fatal one, or a shutdown, ends it.
+pub async fn until_done<T, F, Fut>(
+    what: &str,
+    max_backoff: Duration,
+    shutdown: &CancellationToken,
+    mut step: F,
+) -> Result<T, PipelineError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, PipelineError>>,
+{
+    let mut backoff = Backoff::new(max_backoff);
+    loop {
+        match step().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_fatal() => return Err(e),
+            Err(e) => {
+                warn!(error = %e, "{what} failed; retrying");
+                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
+                    return Err(PipelineError::Fatal(format!("shut down before {what} succeeded")));
+                }
+            }
+        }
+    }
+}
+
 pub(crate) async fn sleep_or_shutdown(d: Duration, shutdown: &CancellationToken) -> Result<(), Interrupted> {
     tokio::select! {
         _ = shutdown.cancelled() => Err(Interrupted::Shutdown),
