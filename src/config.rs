@@ -695,7 +695,9 @@ impl Settings {
         }
         if seeds.is_empty()
             || !seeds.iter().all(|u| {
-                u.starts_with("redis://") || u.starts_with("rediss://") || (!self.redis_cluster() && u.starts_with("redis+unix://"))
+                u.starts_with("redis://")
+                    || u.starts_with("rediss://")
+                    || (!self.redis_cluster() && u.starts_with("redis+unix://"))
             })
         {
             problems.push(format!("redis.url {} must start with redis:// or rediss://", self.redis.url));

@@ -291,7 +291,9 @@ impl Sink {
             None if endpoint.url.starts_with("https://") => Client::default(),
             // Plain HTTP needs no TLS connector, whose set-up (loading the system's CA
             // bundle) costs a `clickagg query` about 60 ms of its start-up.
-            None => Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new())),
+            None => {
+                Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new()))
+            }
         };
         let mut server = base
             .with_url(endpoint.url)
@@ -734,7 +736,14 @@ mod tests {
     }
 
     fn row(ad_id: u64, minute: Minute) -> BatchRow {
-        BatchRow { key: BucketKey { ad_id, minute }, grain: Grain::Minute, partition: 0, batch_start: 0, clicks: 1, version: 0 }
+        BatchRow {
+            key: BucketKey { ad_id, minute },
+            grain: Grain::Minute,
+            partition: 0,
+            batch_start: 0,
+            clicks: 1,
+            version: 0,
+        }
     }
 
     /// The first minute of the `n`th month after January 2000 (UTC).
@@ -855,12 +864,25 @@ mod tests {
             for statement in statements(sql) {
                 let forms = cluster_statements(&statement, "db", "c").unwrap_or_else(|e| panic!("{name}: {e}"));
                 assert_eq!(forms.len(), 2);
-                assert!(forms[0].contains("ENGINE = Replicated") && forms[0].contains("ON CLUSTER `c`"), "{}", forms[0]);
+                assert!(
+                    forms[0].contains("ENGINE = Replicated") && forms[0].contains("ON CLUSTER `c`"),
+                    "{}",
+                    forms[0]
+                );
                 assert!(forms[1].contains("ENGINE = Distributed(`c`, `db`, "), "{}", forms[1]);
                 tables.push(forms[1].split(' ').nth(5).unwrap().to_string());
             }
         }
-        assert_eq!(tables, ["`db`.ad_clicks_minute", "`db`.clickagg_topics", "`db`.clickagg_pins", "`db`.ad_clicks_hour", "`db`.ad_clicks_day"]);
+        assert_eq!(
+            tables,
+            [
+                "`db`.ad_clicks_minute",
+                "`db`.clickagg_topics",
+                "`db`.clickagg_pins",
+                "`db`.ad_clicks_hour",
+                "`db`.ad_clicks_day"
+            ]
+        );
         for grain in Grain::ALL {
             assert!(SHARDING.iter().any(|(t, k)| *t == table_of(grain).0 && *k == "cityHash64(ad_id)"));
         }

@@ -369,14 +369,26 @@ mod tests {
         let mut e = vec![chain(1, 4, true, 1_000)];
         assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, W), Verdict::CrossDuplicate);
         assert_eq!(e[1], chain(0, 7, false, 1_040), "its own partition's chain starts, uncounted");
-        assert_eq!(decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), false, W), Verdict::Duplicate, "within its chain");
+        assert_eq!(
+            decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), false, W),
+            Verdict::Duplicate,
+            "within its chain"
+        );
         let mut far = vec![chain(1, 4, true, 1_000)];
         assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), false, W), Verdict::First);
         let mut uncounted = vec![chain(1, 4, false, 1_000)];
-        assert_eq!(decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), false, W), Verdict::First, "a copy of a copy");
+        assert_eq!(
+            decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), false, W),
+            Verdict::First,
+            "a copy of a copy"
+        );
         let mut warm = vec![chain(1, 4, true, 1_000)];
         let warm_mode = ClaimMode { warm: true, pin: None };
-        assert_eq!(decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, false, W), Verdict::First, "no cross check");
+        assert_eq!(
+            decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, false, W),
+            Verdict::First,
+            "no cross check"
+        );
     }
 
     #[test]

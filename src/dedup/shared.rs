@@ -294,8 +294,10 @@ impl SharedCache {
                     let config = AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(self.timeout))
                         .set_response_timeout(Some(self.timeout));
-                    let mut conn =
-                        client.get_multiplexed_async_connection_with_config(&config).await.map_err(DedupError::classify)?;
+                    let mut conn = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                        .map_err(DedupError::classify)?;
                     // Loading is idempotent; "already exists" means another member was first.
                     let loaded: Result<String, RedisError> =
                         redis::cmd("FUNCTION").arg("LOAD").arg(&self.library).query_async(&mut conn).await;
@@ -422,9 +424,8 @@ impl SharedCache {
             mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             mark_blob.extend_from_slice(&clock.to_be_bytes());
         }
-        let calls: Vec<redis::Cmd> = (0..self.groups)
-            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob))
-            .collect();
+        let calls: Vec<redis::Cmd> =
+            (0..self.groups).map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob)).collect();
         let replies = self.run_claims(calls).await?;
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
         for (members, codes) in by_group.iter().zip(&replies) {
@@ -490,7 +491,8 @@ impl SharedCache {
                 let mut waits = Vec::new();
                 let mut failed = None;
                 for ((gs, _), reply) in pipelines.iter().zip(join_all(sends).await) {
-                    match reply.and_then(|values| values.into_iter().map(Value::extract_error).collect::<Result<Vec<_>, _>>())
+                    match reply
+                        .and_then(|values| values.into_iter().map(Value::extract_error).collect::<Result<Vec<_>, _>>())
                     {
                         Ok(mut values) => {
                             if wait.is_some() {
@@ -644,7 +646,8 @@ impl SharedCache {
             .collect();
         let mut removed = 0;
         for reply in self.each(cmds).await? {
-            removed += redis::from_redis_value::<u64>(reply).map_err(|e| DedupError::Fatal(format!("sweep reply: {e}")))?;
+            removed +=
+                redis::from_redis_value::<u64>(reply).map_err(|e| DedupError::Fatal(format!("sweep reply: {e}")))?;
         }
         Ok(removed)
     }
@@ -660,7 +663,8 @@ impl SharedCache {
             Conn::Cluster { conn, slots } => {
                 let asks = slots.nodes.iter().map(|(host, port)| {
                     let mut conn = conn.clone();
-                    let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port });
+                    let route =
+                        RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress { host: host.clone(), port: *port });
                     async move { (format!("Redis node {host}:{port}"), conn.route_command(config_get(), route).await) }
                 });
                 join_all(asks).await

@@ -14,8 +14,15 @@ async fn the_redis_function_decides_every_claim_as_the_rust_model_does() {
         let env = TestEnv::new("luamodel").await;
         let s = env.settings();
         let window = std::time::Duration::from_secs(u64::from(WINDOW));
-        let cache =
-            SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, SHARDS, 1, window, s.redis.timeout);
+        let cache = SharedCache::new(
+            s.redis_client().unwrap(),
+            &env.redis_prefix,
+            &env.topic,
+            SHARDS,
+            1,
+            window,
+            s.redis.timeout,
+        );
         let checked = compare(cache, seed).await;
         assert!(checked > 5_000, "{checked} claims compared");
     }
@@ -28,8 +35,15 @@ async fn the_redis_function_decides_as_the_rust_model_does_with_the_cache_in_thr
         let env = TestEnv::new("luagroups").await;
         let s = env.settings();
         let window = std::time::Duration::from_secs(u64::from(WINDOW));
-        let cache =
-            SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, SHARDS, 3, window, s.redis.timeout);
+        let cache = SharedCache::new(
+            s.redis_client().unwrap(),
+            &env.redis_prefix,
+            &env.topic,
+            SHARDS,
+            3,
+            window,
+            s.redis.timeout,
+        );
         let checked = compare(cache, seed).await;
         assert!(checked > 5_000, "{checked} claims compared");
         let keys = env.dedup_keys().await;

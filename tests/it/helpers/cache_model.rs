@@ -127,4 +127,3 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
     }
     checked
 }
-
