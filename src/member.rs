@@ -92,6 +92,16 @@ impl GroupContext {
                     if self.block_on(sleep_or_shutdown(backoff.next_delay(), &self.shutdown)).is_err() {
                         return None;
                     }
+                    if matches!(e, PipelineError::Kafka(_)) {
+                        // The offset look-ups go to each partition's leader as the client's
+                        // metadata names it, and nothing refreshes that metadata for
+                        // partitions not fetched yet: after a leader died it answered
+                        // "unknown partition" for a minute (cluster test). A metadata
+                        // request updates it.
+                        let _ = tokio::task::block_in_place(|| {
+                            consumer.fetch_metadata(Some(&self.topic), Duration::from_secs(5))
+                        });
+                    }
                 }
             }
         }
