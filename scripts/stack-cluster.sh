@@ -160,6 +160,8 @@ kafka_cluster_check() {
 kafka_cluster_env() {
   echo "# Kafka: three brokers (node.id 1..3), replication factor 3, min.insync.replicas 2"
   echo "export CLICKAGG__KAFKA__BROKERS=$(kc_bootstrap)"
+  # The same list under a name the single-node stack's settings never shadow (the cluster tests read it).
+  echo "export CLICKAGG_STACK_KAFKA_CLUSTER_BROKERS=$(kc_bootstrap)"
 }
 kc_port() { port_of KAFKA_CLUSTER_PORT "$1"; }
 kc_controller_port() { port_of KAFKA_CLUSTER_CONTROLLER_PORT "$1"; }

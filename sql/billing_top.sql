@@ -21,6 +21,11 @@
 --
 -- The rows come ordered by ad_id; `clickagg query --top N` lists the ads by their
 -- total, largest first. On ClickHouse 18.16 use `clickagg query --print-sql ...`.
+--
+-- GLOBAL IN: on a cluster (`clickagg migrate --cluster`) the table is Distributed, and
+-- the top ads must be the cluster's, computed once and sent to every shard, not each
+-- shard's own (ClickHouse refuses a plain IN over a Distributed table there). On a
+-- single server GLOBAL IN is IN.
 SELECT
     ad_id,
     toUInt32(multiIf(
@@ -32,7 +37,7 @@ FROM {table:Identifier} FINAL
 WHERE {time:Identifier} >= {from:DateTime('UTC')}
   AND {time:Identifier} < {to:DateTime('UTC')}
   AND ({topic:String} = '' OR topic = {topic:String})
-  AND ad_id IN (
+  AND ad_id GLOBAL IN (
       SELECT ad_id
       FROM {rank_table:Identifier} FINAL
       WHERE {rank_time:Identifier} >= {from:DateTime('UTC')}

@@ -24,7 +24,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Create the ClickHouse database and tables (idempotent).
-    Migrate,
+    Migrate(MigrateArgs),
     /// Run one member of the consumer group until SIGINT/SIGTERM.
     Run,
     /// Generate seeded click events into the topic and write the ground truth.
@@ -164,6 +164,16 @@ pub struct ProduceArgs {
     /// Where to write the ground truth (CSV: ad_id,minute,clicks).
     #[arg(long, default_value = "truth.csv")]
     pub truth: PathBuf,
+}
+
+#[derive(Debug, Args, Clone, Default)]
+pub struct MigrateArgs {
+    /// Create the tables on every node of this ClickHouse cluster (`remote_servers`):
+    /// replicated tables on every shard and a Distributed table over them, all ON
+    /// CLUSTER. The same as clickhouse.cluster, which `run`, `query` and the other
+    /// commands need too [env: CLICKAGG__CLICKHOUSE__CLUSTER]
+    #[arg(long, value_name = "NAME")]
+    pub cluster: Option<String>,
 }
 
 #[derive(Debug, Args, Clone)]

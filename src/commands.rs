@@ -8,7 +8,7 @@ use anyhow::{bail, Context, Result};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-use crate::cli::{Command, ProduceArgs, VerifyArgs};
+use crate::cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
 use crate::config::Settings;
 use crate::health::{self, Health};
 use crate::member::Member;
@@ -25,7 +25,7 @@ pub const EXIT_DRAIN_TIMEOUT: u8 = 3;
 
 pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> {
     match command {
-        Command::Migrate => migrate(&settings).await,
+        Command::Migrate(args) => migrate(settings, args).await,
         Command::Run => run(settings).await,
         Command::Produce(args) => produce(&settings, args).await,
         Command::Verify(args) => verify(&settings, args).await,
@@ -40,11 +40,16 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
     }
 }
 
-async fn migrate(s: &Settings) -> Result<ExitCode> {
+async fn migrate(mut s: Settings, args: MigrateArgs) -> Result<ExitCode> {
+    if let Some(cluster) = args.cluster {
+        s.clickhouse.cluster = Some(cluster);
+        s.validate()?;
+    }
     let sink = Sink::new(&s.clickhouse);
     let applied = sink.migrate().await.context("migrating ClickHouse")?;
+    let on = sink.cluster().map(|c| format!(" on cluster {c}")).unwrap_or_default();
     for name in applied {
-        println!("applied {name} to database {}", sink.database());
+        println!("applied {name} to database {}{on}", sink.database());
     }
     Ok(ExitCode::SUCCESS)
 }

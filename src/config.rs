@@ -91,9 +91,15 @@ impl SecretUrl {
         self.0.expose()
     }
 
-    /// The URL as it may be shown: see [`redact_url`].
+    /// The URL as it may be shown: see [`redact_url`]. A comma-separated list (the seed
+    /// nodes of a Redis Cluster) is redacted URL by URL.
     pub fn redacted(&self) -> String {
-        redact_url(self.expose())
+        self.expose().split(',').map(|u| redact_url(u.trim())).collect::<Vec<_>>().join(",")
+    }
+
+    /// The URLs of a comma-separated list (one URL: itself).
+    pub fn list(&self) -> Vec<&str> {
+        self.expose().split(',').map(str::trim).filter(|u| !u.is_empty()).collect()
     }
 }
 
@@ -217,8 +223,30 @@ impl Default for KafkaSettings {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RedisSettings {
-    /// `redis://` or `rediss://` (TLS); may carry `user:password@`.
+    /// `redis://` or `rediss://` (TLS); may carry `user:password@`. Several URLs,
+    /// comma-separated, are the seed nodes of a Redis Cluster.
     pub url: SecretUrl,
+    /// A Redis Cluster: the dedup cache spreads its keys over `slot_groups` hash tags
+    /// and sends each master the claims of the groups it serves. Implied by several
+    /// URLs in `url`; `true` with one URL uses it as the only seed node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<bool>,
+    /// Key groups of the cache on a Redis Cluster (16 by default): each is one hash tag,
+    /// so one slot, and every poll batch sends each group one call. More groups spread
+    /// the cache more evenly over more masters, at a call per group per batch. Part of
+    /// the key names: another value starts another cache, warmed up from the log.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot_groups: Option<u32>,
+    /// Replicas that must acknowledge a poll batch's claims (`WAIT`) before their
+    /// verdicts are used: a claim a master lost in a failover before its replica had it
+    /// would let a later copy of the click count again. Default 1 on a cluster, 0 on a
+    /// single Redis (set it there when Sentinel may promote a replica).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait_replicas: Option<u32>,
+    /// How long a `WAIT` may take before the claims count as failed (and are claimed
+    /// again): a replica that answers later is as good as down.
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
     /// ACL user, if not in the URL.
     pub username: Option<String>,
     pub password: Option<Secret>,
@@ -239,6 +267,10 @@ impl Default for RedisSettings {
     fn default() -> Self {
         RedisSettings {
             url: SecretUrl::new("redis://127.0.0.1:6379/"),
+            cluster: None,
+            slot_groups: None,
+            wait_replicas: None,
+            wait_timeout: Duration::from_secs(1),
             username: None,
             password: None,
             tls_ca_file: None,
@@ -297,6 +329,18 @@ pub struct ClickHouseSettings {
     pub tls_ca_file: Option<PathBuf>,
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
+    /// The ClickHouse cluster (`remote_servers`) the tables live on: `migrate` creates
+    /// replicated tables on every shard and a `Distributed` table over them, and every
+    /// insert is synchronous (`insert_distributed_sync`) and waits for `insert_quorum`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
+    /// Replicas of a shard that must hold a flush's rows before the flush counts as
+    /// durable (and its offsets are committed). Default 2 with `cluster`; 0 turns it off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub insert_quorum: Option<u32>,
+    /// How long an insert waits for its quorum before it fails (and is retried).
+    #[serde(with = "humantime_serde")]
+    pub insert_quorum_timeout: Duration,
 }
 
 impl Default for ClickHouseSettings {
@@ -308,6 +352,9 @@ impl Default for ClickHouseSettings {
             database: "clickagg".into(),
             tls_ca_file: None,
             request_timeout: Duration::from_secs(30),
+            cluster: None,
+            insert_quorum: None,
+            insert_quorum_timeout: Duration::from_secs(15),
         }
     }
 }
@@ -322,6 +369,11 @@ pub struct ClickHouseEndpoint {
 }
 
 impl ClickHouseSettings {
+    /// Replicas an insert waits for: `insert_quorum`, 2 on a cluster by default.
+    pub fn quorum(&self) -> u32 {
+        self.insert_quorum.unwrap_or(if self.cluster.is_some() { 2 } else { 0 })
+    }
+
     /// The endpoint `clickhouse.url`, `clickhouse.user` and `clickhouse.password` name.
     ///
     /// ClickHouse's HTTP interface takes credentials in the URL, as user info or as
@@ -637,14 +689,66 @@ impl Settings {
                 ));
             }
         }
-        if self.redis.tls_ca_file.is_some() && !self.redis.url.expose().starts_with("rediss://") {
+        let seeds = self.redis.url.list();
+        if self.redis.tls_ca_file.is_some() && !seeds.iter().all(|u| u.starts_with("rediss://")) {
             problems.push("redis.tls_ca_file is set but redis.url does not start with rediss://".to_string());
         }
-        if !self.redis.url.expose().starts_with("redis://")
-            && !self.redis.url.expose().starts_with("rediss://")
-            && !self.redis.url.expose().starts_with("redis+unix://")
+        if seeds.is_empty()
+            || !seeds.iter().all(|u| {
+                u.starts_with("redis://")
+                    || u.starts_with("rediss://")
+                    || (!self.redis_cluster() && u.starts_with("redis+unix://"))
+            })
         {
             problems.push(format!("redis.url {} must start with redis:// or rediss://", self.redis.url));
+        }
+        if self.redis_cluster() && self.redis.tls_ca_file.is_some() {
+            // The redis crate's cluster client takes a private CA only with rustls, which
+            // clickagg does not build with.
+            problems.push(
+                "redis.tls_ca_file is not supported with a Redis Cluster: add the CA to the system's trust store \
+                 and unset redis.tls_ca_file"
+                    .to_string(),
+            );
+        }
+        if seeds.len() > 1 && self.redis.cluster == Some(false) {
+            problems.push(format!(
+                "redis.url {} names several nodes, which only a Redis Cluster has: set redis.cluster = true, or give one URL",
+                self.redis.url
+            ));
+        }
+        if let Some(g) = self.redis.slot_groups {
+            if !self.redis_cluster() {
+                problems.push("redis.slot_groups only applies to a Redis Cluster (redis.cluster = true)".to_string());
+            } else if !(1..=4096).contains(&g) {
+                problems.push(format!("redis.slot_groups ({g}) must be from 1 to 4096"));
+            }
+        }
+        if self.redis_wait().is_some() {
+            let w = self.redis.wait_timeout;
+            if w < Duration::from_millis(1) || w >= self.redis.timeout {
+                problems.push(format!(
+                    "redis.wait_timeout ({}) must be at least 1ms and shorter than redis.timeout ({}): a WAIT \
+                     longer than the response timeout would count as a lost connection",
+                    humantime::format_duration(w),
+                    humantime::format_duration(self.redis.timeout)
+                ));
+            }
+        }
+        let ch = &self.clickhouse;
+        if let Some(c) = &ch.cluster {
+            if c.is_empty() || !c.chars().all(|x| x.is_ascii_alphanumeric() || x == '_') {
+                problems.push(format!("clickhouse.cluster {c:?} must be a cluster name of letters, digits and _"));
+            }
+        } else if ch.insert_quorum.is_some_and(|q| q > 0) {
+            problems.push("clickhouse.insert_quorum needs clickhouse.cluster (a single server has no replicas)".into());
+        }
+        if ch.quorum() > 0 && ch.insert_quorum_timeout >= ch.request_timeout {
+            problems.push(format!(
+                "clickhouse.insert_quorum_timeout ({}) must be shorter than clickhouse.request_timeout ({})",
+                humantime::format_duration(ch.insert_quorum_timeout),
+                humantime::format_duration(ch.request_timeout)
+            ));
         }
         if let Some(path) = &self.clickhouse.tls_ca_file {
             if !self.clickhouse.url.expose().starts_with("https://") {
@@ -689,15 +793,50 @@ impl Settings {
 
     /// The shared dedup cache of `kafka.topic`.
     pub fn shared_cache(&self) -> Result<crate::dedup::SharedCache, ConfigError> {
+        let groups = if self.redis_cluster() { self.redis.slot_groups.unwrap_or(16) } else { 1 };
         Ok(crate::dedup::SharedCache::new(
-            self.redis_client()?,
+            self.redis_target()?,
             &self.redis.key_prefix,
             &self.kafka.topic,
             self.dedup.shards,
-            1,
+            groups,
             self.dedup_window(),
             self.redis.timeout,
-        ))
+        )
+        .with_wait(self.redis_wait()))
+    }
+
+    /// Whether the dedup cache is a Redis Cluster: `redis.cluster`, or several seed nodes.
+    pub fn redis_cluster(&self) -> bool {
+        self.redis.cluster.unwrap_or(self.redis.url.list().len() > 1)
+    }
+
+    /// What the claims wait for: `redis.wait_replicas` (1 on a cluster, 0 otherwise).
+    pub fn redis_wait(&self) -> Option<crate::dedup::Wait> {
+        let replicas = self.redis.wait_replicas.unwrap_or(u32::from(self.redis_cluster()));
+        (replicas > 0).then_some(crate::dedup::Wait { replicas, timeout: self.redis.wait_timeout })
+    }
+
+    /// The Redis the dedup cache lives in: one server, or a cluster through its seeds.
+    pub fn redis_target(&self) -> Result<crate::dedup::RedisTarget, ConfigError> {
+        if !self.redis_cluster() {
+            return self.redis_client().map(crate::dedup::RedisTarget::Single);
+        }
+        let invalid =
+            |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", self.redis.url, e.kind_str()));
+        let mut b = redis::cluster::ClusterClient::builder(self.redis.url.list())
+            .connection_timeout(self.redis.timeout)
+            .response_timeout(self.redis.timeout)
+            // Few retries inside the client: the claimer's own backoff covers longer outages
+            // (a failover) and reports them (readiness, metrics).
+            .retries(3);
+        if let Some(user) = &self.redis.username {
+            b = b.username(user);
+        }
+        if let Some(password) = &self.redis.password {
+            b = b.password(password.expose());
+        }
+        b.build().map(crate::dedup::RedisTarget::Cluster).map_err(invalid)
     }
 
     pub fn fingerprinter(&self) -> crate::dedup::Fingerprinter {
@@ -867,6 +1006,62 @@ mod tests {
         let printed = format!("{s:?}\n{}", s.to_redacted_toml());
         assert!(!printed.contains("hunter2"), "{printed}");
         assert!(printed.contains("redis://user:%5Bredacted%5D@127.0.0.1:6379/") || printed.contains("[redacted]"));
+    }
+
+    #[test]
+    fn several_redis_urls_are_the_seed_nodes_of_a_cluster_and_claims_wait_for_a_replica() {
+        let single = Settings::default();
+        assert!(!single.redis_cluster());
+        assert_eq!(single.redis_wait(), None, "a single Redis answers alone unless told otherwise");
+        let vars = [("CLICKAGG__REDIS__URL", "redis://a:7001/,redis://b:7002/")];
+        let s = Settings::load_with_vars(None, vec![], vars).unwrap();
+        assert!(s.redis_cluster());
+        assert_eq!(s.redis.url.list(), ["redis://a:7001/", "redis://b:7002/"]);
+        assert_eq!(s.redis_wait(), Some(crate::dedup::Wait { replicas: 1, timeout: Duration::from_secs(1) }));
+        assert_eq!(s.shared_cache().unwrap().groups(), 16);
+        let one_seed = [("CLICKAGG__REDIS__URL", "redis://a:7001/"), ("CLICKAGG__REDIS__CLUSTER", "true")];
+        let s = Settings::load_with_vars(None, vec![], one_seed).unwrap();
+        assert!(s.redis_cluster());
+        let tuned = [
+            ("CLICKAGG__REDIS__URL", "redis://a:7001/,redis://b:7002/"),
+            ("CLICKAGG__REDIS__SLOT_GROUPS", "64"),
+            ("CLICKAGG__REDIS__WAIT_REPLICAS", "0"),
+        ];
+        let s = Settings::load_with_vars(None, vec![], tuned).unwrap();
+        assert_eq!((s.shared_cache().unwrap().groups(), s.redis_wait()), (64, None));
+    }
+
+    #[test]
+    fn cluster_settings_that_contradict_each_other_are_refused_with_what_to_change() {
+        let refused = |vars: &[(&str, &str)], says: &str| {
+            let e = Settings::load_with_vars(None, vec![], vars.iter().copied()).unwrap_err().to_string();
+            assert!(e.contains(says), "{says} in {e}");
+        };
+        refused(
+            &[("CLICKAGG__REDIS__URL", "redis://a:1/,redis://b:2/"), ("CLICKAGG__REDIS__CLUSTER", "false")],
+            "set redis.cluster = true, or give one URL",
+        );
+        refused(&[("CLICKAGG__REDIS__SLOT_GROUPS", "8")], "redis.slot_groups only applies to a Redis Cluster");
+        refused(
+            &[("CLICKAGG__REDIS__CLUSTER", "true"), ("CLICKAGG__REDIS__WAIT_TIMEOUT", "10s")],
+            "shorter than redis.timeout",
+        );
+        refused(&[("CLICKAGG__CLICKHOUSE__INSERT_QUORUM", "2")], "clickhouse.insert_quorum needs clickhouse.cluster");
+        refused(&[("CLICKAGG__CLICKHOUSE__CLUSTER", "a-b")], "letters, digits and _");
+        refused(
+            &[("CLICKAGG__CLICKHOUSE__CLUSTER", "c"), ("CLICKAGG__CLICKHOUSE__INSERT_QUORUM_TIMEOUT", "1m")],
+            "shorter than clickhouse.request_timeout",
+        );
+        let s = Settings::load_with_vars(None, vec![], [("CLICKAGG__CLICKHOUSE__CLUSTER", "c")]).unwrap();
+        assert_eq!(s.clickhouse.quorum(), 2, "a cluster's inserts wait for two replicas by default");
+    }
+
+    #[test]
+    fn every_seed_node_url_is_redacted() {
+        let url = SecretUrl::new("redis://:pw1-hunter2@a:7001/,redis://u:pw2-hunter2@b:7002/?token=t-hunter2");
+        let shown = url.to_string();
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("a:7001") && shown.contains("u:%5Bredacted%5D@b:7002"), "{shown}");
     }
 
     #[test]

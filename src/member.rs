@@ -37,7 +37,9 @@ use crate::dead_letter::DeadLetters;
 use crate::dedup::{Claimer, Pin, Verdicts};
 use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{sleep_or_shutdown, Backoff, Exit, FatalSignal, PipelineError, Prepared, Stages, StagesConfig};
+use crate::pipeline::{
+    sleep_or_shutdown, until_done, Backoff, Exit, FatalSignal, PipelineError, Prepared, Stages, StagesConfig,
+};
 use crate::position::Start;
 use crate::sink::{Sink, Writer};
 use crate::source::{self, Record};
@@ -93,6 +95,16 @@ impl GroupContext {
                     warn!(error = %e, ?partitions, "cannot plan where the assigned partitions start yet; retrying");
                     if self.block_on(sleep_or_shutdown(backoff.next_delay(), &self.shutdown)).is_err() {
                         return None;
+                    }
+                    if matches!(e, PipelineError::Kafka(_)) {
+                        // The offset look-ups go to each partition's leader as the client's
+                        // metadata names it, and nothing refreshes that metadata for
+                        // partitions not fetched yet: after a leader died it answered
+                        // "unknown partition" for a minute (cluster test). A metadata
+                        // request updates it.
+                        let _ = tokio::task::block_in_place(|| {
+                            consumer.fetch_metadata(Some(&self.topic), Duration::from_secs(5))
+                        });
                     }
                 }
             }
@@ -218,18 +230,34 @@ impl Member {
     pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
         let s = &self.settings;
         let sink = Sink::new(&s.clickhouse);
-        if !wait_for_clickhouse(&sink, s.pipeline.max_backoff, &shutdown).await? {
-            // Stopped before joining the group: nothing was read, so nothing is owed.
-            info!("shut down while waiting for ClickHouse; nothing was read");
-            return Ok(Exit::Drained);
+        // Start-up steps wait out transient failures (services still coming up, a cluster
+        // failing over). Stopped meanwhile, the member has joined no group and read
+        // nothing, so the stop owes nothing: exit 0.
+        let started = async {
+            let (ch, backoff) = (&sink, s.pipeline.max_backoff);
+            until_done("reaching ClickHouse", backoff, &shutdown, || async { Ok(ch.ping().await?) }).await?;
+            until_done("registering pipeline.batch_offsets", backoff, &shutdown, || async {
+                Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
+            })
+            .await?;
+            until_done("checking the topic against the stored batches", backoff, &shutdown, || {
+                check_topic_not_recreated(s, ch)
+            })
+            .await?;
+            self.health.set_clickhouse(true);
+            refuse_compacted_topic(s).await?;
+            let mut cache = s.shared_cache()?;
+            wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
+            Ok::<_, PipelineError>(cache)
         }
-        sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
-        check_topic_not_recreated(s, &sink).await?;
-        self.health.set_clickhouse(true);
-        refuse_compacted_topic(s).await?;
-
-        let mut cache = s.shared_cache()?;
-        cache.check_eviction_policy().await?;
+        .await;
+        let cache = match started {
+            Err(PipelineError::ShutDown(what)) => {
+                info!(%what, "shut down before joining the group; nothing was read");
+                return Ok(Exit::Drained);
+            }
+            started => started?,
+        };
         let sweeper = CancellationToken::new();
         tokio::spawn(crate::dedup::shared::sweep_forever(
             s.shared_cache()?,
@@ -463,22 +491,22 @@ async fn drain(stages: &Mutex<Stages>, flusher: &Flusher, timeout: Duration) -> 
     }
 }
 
-/// At startup ClickHouse may still be coming up: wait with backoff (a fatal error such
-/// as a wrong password ends the wait at once). `false` when shut down first.
-async fn wait_for_clickhouse(
-    sink: &Sink,
+/// Checks the dedup cache's eviction policy, waiting while Redis is unreachable (a
+/// member may start while a Redis Cluster fails over) instead of exiting.
+async fn wait_for_redis(
+    cache: &mut crate::dedup::SharedCache,
     max_backoff: Duration,
     shutdown: &CancellationToken,
-) -> Result<bool, PipelineError> {
+) -> Result<(), PipelineError> {
     let mut backoff = Backoff::new(max_backoff);
     loop {
-        match sink.ping().await {
-            Ok(()) => return Ok(true),
+        match cache.check_eviction_policy().await {
+            Ok(()) => return Ok(()),
             Err(e) if e.is_fatal() => return Err(e.into()),
             Err(e) => {
-                warn!(error = %e, "waiting for ClickHouse");
+                warn!(error = %e, "waiting for Redis");
                 if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                    return Ok(false);
+                    return Err(PipelineError::ShutDown("reaching Redis".into()));
                 }
             }
         }

@@ -52,6 +52,9 @@ pub enum PipelineError {
     Sink(#[from] SinkError),
     #[error("{0}")]
     Fatal(String),
+    /// Shut down (SIGTERM/SIGINT) while a step was still waiting to succeed.
+    #[error("shut down before {0} succeeded")]
+    ShutDown(String),
 }
 
 impl PipelineError {
@@ -61,7 +64,7 @@ impl PipelineError {
             PipelineError::Dedup(e) => e.is_fatal(),
             PipelineError::Sink(e) => e.is_fatal(),
             PipelineError::Kafka(e) => source::is_fatal_kafka(e.rdkafka_error_code()),
-            PipelineError::Config(_) | PipelineError::Fatal(_) => true,
+            PipelineError::Config(_) | PipelineError::Fatal(_) | PipelineError::ShutDown(_) => true,
         }
     }
 }
@@ -337,7 +340,16 @@ impl Stages {
         let frontiers = self.cache.frontiers(partitions).await?;
         let mut starts = Vec::new();
         for (&p, &m) in &marks {
-            let start = position::shared_start(p, m, frontiers.get(&p).copied());
+            let (frontier, lost) = position::merge_frontiers(frontiers.get(&p).map_or(&[][..], Vec::as_slice), m);
+            if lost {
+                warn!(
+                    partition = p,
+                    "part of the dedup cache lost this partition's state (a Redis node that lost its data?); \
+                     rebuilding it from the log"
+                );
+                metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
+            }
+            let start = position::shared_start(p, m, frontier);
             if start.read_from == m.lookback && m.lookback < m.boundary {
                 // The cache lacks everything before the lookback: its re-reads below the
                 // boundary cannot be trusted after this warm-up.
@@ -351,7 +363,7 @@ impl Stages {
                 committed = ?requested.get(&p).copied().flatten(),
                 count_from = start.count_from,
                 read_from = start.read_from,
-                cache_frontier = ?frontiers.get(&p).map(|f| f.claimed),
+                cache_frontier = ?frontier.map(|f| f.claimed),
                 "partition start planned"
             );
             starts.push((start, pins));
@@ -642,6 +654,34 @@ impl Reader {
             scope: start.scope,
             pins,
             last: start.read_from - 1,
+        }
+    }
+}
+
+/// Runs a start-up step until it succeeds. Transient failures — a service still
+/// coming up, a failover, on an older ClickHouse cluster another member's quorum insert
+/// in the way — are logged and retried with backoff; a fatal one, or a shutdown, ends it.
+pub async fn until_done<T, F, Fut>(
+    what: &str,
+    max_backoff: Duration,
+    shutdown: &CancellationToken,
+    mut step: F,
+) -> Result<T, PipelineError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, PipelineError>>,
+{
+    let mut backoff = Backoff::new(max_backoff);
+    loop {
+        match step().await {
+            Ok(v) => return Ok(v),
+            Err(e) if e.is_fatal() => return Err(e),
+            Err(e) => {
+                warn!(error = %e, "{what} failed; retrying");
+                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
+                    return Err(PipelineError::ShutDown(what.to_string()));
+                }
+            }
         }
     }
 }

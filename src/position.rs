@@ -92,6 +92,35 @@ pub struct CacheFrontier {
     pub exact_from: i64,
 }
 
+/// A partition's frontier over the cache's key groups (one on a single Redis, `redis.
+/// slot_groups` on a Redis Cluster), from what each group says of it, for a reader
+/// counting from `m.boundary`.
+///
+/// Every poll batch's claims reach every group, with the batch's highest offset per
+/// partition (`claim.lua`, marks), so the groups agree once all calls of a batch
+/// succeeded. They disagree in two ways:
+/// - **Some groups are ahead** (a crash or a failed call between the calls of one
+///   batch): the cache is complete up to the lowest frontier; the claims between it and
+///   the highest are re-reads in the groups ahead and first claims in the others,
+///   decided as the first time. The lowest frontier is the partition's.
+/// - **Some groups know nothing of the partition** while others do: those lost their
+///   state (a Redis node that lost its data, or a failover to a replica the member did
+///   not wait for). They count as what the restart before the warm-up writes into them
+///   (nothing claimed before the lookback, exact only from the boundary), and the
+///   others keep their say: where one of them is exact only from a later offset, the
+///   reader still rebuilds privately. The second value says a group was lost, for the log.
+pub fn merge_frontiers(groups: &[Option<CacheFrontier>], m: Marks) -> (Option<CacheFrontier>, bool) {
+    let known = groups.iter().flatten().count();
+    if known == 0 {
+        return (None, false);
+    }
+    let restarted = CacheFrontier { claimed: m.lookback - 1, clock: 0, exact_from: m.boundary };
+    let all = groups.iter().map(|g| g.unwrap_or(restarted));
+    let lowest = all.clone().min_by_key(|f| f.claimed).expect("not empty");
+    let exact_from = all.map(|f| f.exact_from).max().expect("not empty");
+    (Some(CacheFrontier { exact_from, ..lowest }), known < groups.len())
+}
+
 /// A member using the shared cache, which says `frontier` of the partition. A boundary
 /// below where the cache is exact from cannot use it: the member rebuilds privately.
 pub fn shared_start(partition: i32, m: Marks, frontier: Option<CacheFrontier>) -> Start {
@@ -173,6 +202,25 @@ mod tests {
         assert_eq!(shared_start(0, M, rebuilt), private_start(0, M));
         let later = Marks { boundary: 1_200, ..M };
         assert!(matches!(shared_start(0, later, rebuilt).scope, Scope::Shared { .. }));
+    }
+
+    #[test]
+    fn key_groups_merge_to_the_lowest_frontier_and_a_group_that_lost_the_partition_is_restarted() {
+        let f = |claimed, exact_from| Some(CacheFrontier { claimed, clock: claimed as Secs, exact_from });
+        assert_eq!(merge_frontiers(&[None, None], M), (None, false), "never read");
+        assert_eq!(merge_frontiers(&[f(700, 0)], M), (f(700, 0), false), "a single Redis");
+        // A crash between the calls of one batch: one group is a batch ahead.
+        assert_eq!(merge_frontiers(&[f(900, 0), f(700, 0), f(900, 0)], M), (f(700, 0), false));
+        // A restart made one group exact only from a later boundary: the stricter wins.
+        assert_eq!(merge_frontiers(&[f(900, 500), f(900, 0)], M), (f(900, 500), false));
+        // One group lost its state: it counts as restarted at the lookback (400) and
+        // exact from the boundary (1 000), so the member warms up from the lookback...
+        let lost = merge_frontiers(&[f(1_200, 0), None], M);
+        assert_eq!(lost, (Some(CacheFrontier { claimed: 399, clock: 0, exact_from: 1_000 }), true));
+        assert_eq!(shared_start(0, M, lost.0).read_from, 400);
+        // ...unless another group is exact only from beyond the boundary: private.
+        let stricter = merge_frontiers(&[f(1_200, 1_100), None], M).0;
+        assert_eq!(shared_start(0, M, stricter), private_start(0, M));
     }
 
     #[test]

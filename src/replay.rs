@@ -224,7 +224,11 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     let to: StopAt = args.to.parse().map_err(anyhow::Error::msg)?;
     let started = Instant::now();
     let sink = Sink::new(&s.clickhouse);
-    sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?;
+    let ch = &sink;
+    crate::pipeline::until_done("registering pipeline.batch_offsets", s.pipeline.max_backoff, &shutdown, || async {
+        Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
+    })
+    .await?;
 
     let settings = s.clone();
     let plan = tokio::task::spawn_blocking(move || resolve(&settings, &from, to)).await??;

@@ -234,18 +234,22 @@ pub fn producer_config(k: &KafkaSettings) -> ClientConfig {
     with_properties(c, k)
 }
 
-/// Creates `topic` with `partitions` partitions unless it exists.
+/// Creates `topic` with `partitions` partitions unless it exists, replicated as the
+/// brokers' `default.replication.factor` says (with their `min.insync.replicas`): on a
+/// three-broker cluster with factor 3 and 2 in-sync replicas, the click and dead-letter
+/// topics survive a broker's loss without losing an acknowledged record (the producers
+/// use `acks=all`). A broker older than Kafka 2.4 cannot take "the default"; there the
+/// topic gets one replica.
 pub async fn ensure_topic(k: &KafkaSettings, topic: &str, partitions: i32) -> Result<(), KafkaError> {
     let admin: AdminClient<DefaultClientContext> = client_config(k).create()?;
-    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(-1));
     let mut results = admin.create_topics([&new], &opts).await?;
     match results.pop() {
         Some(Ok(_)) | None => Ok(()),
         Some(Err((_, RDKafkaErrorCode::TopicAlreadyExists))) => Ok(()),
-        // A broker with a replication factor > 1 policy: retry with the broker default.
-        Some(Err((_, RDKafkaErrorCode::InvalidReplicationFactor))) => {
-            let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(-1));
+        Some(Err((_, RDKafkaErrorCode::InvalidReplicationFactor | RDKafkaErrorCode::InvalidRequest))) => {
+            let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
             match admin.create_topics([&new], &opts).await?.pop() {
                 Some(Err((_, code))) if code != RDKafkaErrorCode::TopicAlreadyExists => Err(KafkaError::AdminOp(code)),
                 _ => Ok(()),

@@ -107,7 +107,7 @@ pub fn register_zeroes() {
     // A registered histogram is exported with every bucket at 0.
     let _ = metrics::histogram!(FLUSH_DURATION);
     let _ = metrics::histogram!(FRESHNESS);
-    for reason in ["undecidable", "lag"] {
+    for reason in ["undecidable", "lag", "lost"] {
         metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
     for trouble in crate::health::RedisTrouble::ALL {

@@ -6,10 +6,16 @@
 //!     an rdkafka consumer that only counts records: the broker's and client's ceiling
 //! clickagg-bench claims --redis-url U --claims N
 //!     the Redis function the pipeline calls, with the same chunks and pipelining,
-//!     and nothing else: Redis's ceiling for clickagg's claims
+//!     and nothing else: Redis's ceiling for clickagg's claims, and the Redis CPU time
+//!     each claim costs (masters and replicas, from INFO cpu)
 //! clickagg-bench memory --redis-url U --keys N --layout new|old --flush-all
 //!     FLUSHALL (a Redis of its own!), then N dedup keys; bytes per key from used_memory
 //! ```
+//!
+//! `--redis-url` takes a comma-separated list of every node of a Redis Cluster too
+//! (`scripts/stack env cluster`): claims then go through the cluster client with the
+//! member's defaults (16 key groups, WAIT for one replica; `--groups`, `--wait-replicas`),
+//! and memory is summed over the masters (replicas hold as much again).
 
 use std::time::{Duration, Instant};
 
@@ -52,6 +58,12 @@ enum Command {
         claims: u64,
         #[arg(long, default_value_t = 2_000)]
         chunk: usize,
+        /// Key groups on a Redis Cluster (redis.slot_groups).
+        #[arg(long)]
+        groups: Option<u32>,
+        /// Replicas each claim waits for (redis.wait_replicas).
+        #[arg(long)]
+        wait_replicas: Option<u32>,
     },
     Memory {
         #[arg(long)]
@@ -70,7 +82,9 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Consume { brokers, topic, records } => consume(brokers, topic, records).await,
-        Command::Claims { redis_url, claims, chunk } => claims_rate(redis_url, claims, chunk).await,
+        Command::Claims { redis_url, claims, chunk, groups, wait_replicas } => {
+            claims_rate(redis_url, claims, chunk, groups, wait_replicas).await
+        }
         Command::Memory { redis_url, keys, layout, flush_all } => {
             anyhow::ensure!(flush_all, "memory empties the Redis first: pass --flush-all for a Redis of its own");
             memory(redis_url, keys, layout).await
@@ -132,19 +146,81 @@ fn claims(n: u64, fingerprints: &Fingerprinter) -> Vec<Claim> {
         .collect()
 }
 
-fn cache(redis_url: &str, prefix: &str, shards: u32) -> anyhow::Result<SharedCache> {
+/// The cache a member with these settings would use (a cluster for a list of URLs).
+fn cache(
+    redis_url: &str,
+    prefix: &str,
+    shards: u32,
+    groups: Option<u32>,
+    wait_replicas: Option<u32>,
+) -> anyhow::Result<SharedCache> {
     let mut s = Settings::default();
     s.redis.url = clickagg::config::SecretUrl::new(redis_url.to_string());
-    Ok(SharedCache::new(s.redis_client()?, prefix, "bench", shards, 1, s.dedup_window(), Duration::from_secs(30)))
+    s.redis.key_prefix = prefix.to_string();
+    s.redis.timeout = Duration::from_secs(30);
+    s.redis.slot_groups = groups.filter(|_| s.redis_cluster());
+    s.redis.wait_replicas = wait_replicas;
+    s.kafka.topic = "bench".into();
+    s.dedup.shards = shards;
+    s.validate()?;
+    Ok(s.shared_cache()?)
+}
+
+/// One connection per node of `redis_url` (one, or every node of a cluster).
+async fn nodes(redis_url: &str) -> anyhow::Result<Vec<(String, redis::aio::MultiplexedConnection)>> {
+    let mut out = Vec::new();
+    for url in redis_url.split(',') {
+        // No response timeout: FLUSHALL of millions of keys takes seconds.
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
+        let conn = redis::Client::open(url)?.get_multiplexed_async_connection_with_config(&config).await?;
+        out.push((url.to_string(), conn));
+    }
+    Ok(out)
+}
+
+/// A field of `INFO <section>`, as a number.
+async fn info(conn: &mut redis::aio::MultiplexedConnection, section: &str, field: &str) -> anyhow::Result<f64> {
+    let text: String = redis::cmd("INFO").arg(section).query_async(conn).await?;
+    let prefix = format!("{field}:");
+    let line = text.lines().find(|l| l.starts_with(&prefix)).ok_or_else(|| anyhow::anyhow!("no {field}"))?;
+    Ok(line[prefix.len()..].trim().parse()?)
+}
+
+async fn is_master(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<bool> {
+    let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(conn).await?;
+    Ok(redis::from_redis_value_ref::<String>(&role[0])? == "master")
+}
+
+/// CPU seconds (user + system) every node of `redis_url` has used, masters and
+/// replicas apart.
+async fn cpu_seconds(redis_url: &str) -> anyhow::Result<(f64, f64)> {
+    let (mut masters, mut replicas) = (0.0, 0.0);
+    for (_, mut conn) in nodes(redis_url).await? {
+        let cpu = info(&mut conn, "cpu", "used_cpu_user").await? + info(&mut conn, "cpu", "used_cpu_sys").await?;
+        if is_master(&mut conn).await? {
+            masters += cpu;
+        } else {
+            replicas += cpu;
+        }
+    }
+    Ok((masters, replicas))
 }
 
 /// Claims as the member makes them, one poll batch (`chunk`) per call, two in flight.
-async fn claims_rate(redis_url: String, n: u64, chunk: usize) -> anyhow::Result<()> {
+async fn claims_rate(
+    redis_url: String,
+    n: u64,
+    chunk: usize,
+    groups: Option<u32>,
+    wait_replicas: Option<u32>,
+) -> anyhow::Result<()> {
     let prefix = format!("clickagg-bench-{}:", rand::random::<u32>());
     let all = claims(n, &Fingerprinter::new("bench"));
     let health = clickagg::health::Health::new();
-    let (claimer, mut verdicts) =
-        clickagg::dedup::Claimer::start(cache(&redis_url, &prefix, 1 << 16)?, Duration::from_secs(1), health);
+    let cache = cache(&redis_url, &prefix, 1 << 16, groups, wait_replicas)?;
+    let layout = format!("{} key group(s)", cache.groups());
+    let (claimer, mut verdicts) = clickagg::dedup::Claimer::start(cache, Duration::from_secs(1), health);
+    let cpu_before = cpu_seconds(&redis_url).await?;
     let started = Instant::now();
     let mut sent = 0;
     let mut received = 0;
@@ -160,33 +236,42 @@ async fn claims_rate(redis_url: String, n: u64, chunk: usize) -> anyhow::Result<
         received += 1;
     }
     let secs = started.elapsed().as_secs_f64();
+    let cpu_after = cpu_seconds(&redis_url).await?;
+    let (master_cpu, replica_cpu) = (cpu_after.0 - cpu_before.0, cpu_after.1 - cpu_before.1);
     println!(
-        "redis claims: {n} claims in {secs:.2} s = {:.0} claims/s (chunks of {chunk}, 2 in flight)",
-        n as f64 / secs
+        "redis claims: {n} claims in {secs:.2} s = {:.0} claims/s (chunks of {chunk}, 2 in flight, {layout}); \
+         Redis CPU per claim: masters {:.2} us, replicas {:.2} us = {:.0} claims per master CPU-second",
+        n as f64 / secs,
+        master_cpu * 1e6 / n as f64,
+        replica_cpu * 1e6 / n as f64,
+        n as f64 / master_cpu
     );
-    // Leave no benchmark keys behind.
-    let client = redis::Client::open(redis_url.as_str())?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    // SCAN, not KEYS: the shared Redis may hold millions of other keys.
-    let mut keys: Vec<String> = Vec::new();
-    let mut cursor = 0u64;
-    loop {
-        let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}*"))
-            .arg("COUNT")
-            .arg(10_000)
-            .query_async(&mut conn)
-            .await?;
-        keys.extend(found);
-        if next == 0 {
-            break;
+    // Leave no benchmark keys behind, on every master (each scans its own keys). SCAN,
+    // not KEYS: a shared Redis may hold millions of other keys.
+    for (_, mut conn) in nodes(&redis_url).await? {
+        if !is_master(&mut conn).await? {
+            continue;
         }
-        cursor = next;
-    }
-    for batch in keys.chunks(1_000) {
-        let _: () = redis::cmd("UNLINK").arg(batch).query_async(&mut conn).await?;
+        let mut keys: Vec<String> = Vec::new();
+        let mut cursor = 0u64;
+        loop {
+            let (next, found): (u64, Vec<String>) = redis::cmd("SCAN")
+                .arg(cursor)
+                .arg("MATCH")
+                .arg(format!("{prefix}*"))
+                .arg("COUNT")
+                .arg(10_000)
+                .query_async(&mut conn)
+                .await?;
+            keys.extend(found);
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        for key in keys {
+            let _: () = redis::cmd("UNLINK").arg(key).query_async(&mut conn).await?;
+        }
     }
     Ok(())
 }
@@ -197,15 +282,31 @@ async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Re
     Ok(line["used_memory:".len()..].trim().parse()?)
 }
 
+/// `used_memory` summed over the masters of `redis_url` (the one server, or a cluster's).
+async fn masters_memory(redis_url: &str) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for (_, mut conn) in nodes(redis_url).await? {
+        if is_master(&mut conn).await? {
+            total += used_memory(&mut conn).await?;
+        }
+    }
+    Ok(total)
+}
+
 /// Bytes of Redis memory per dedup key, for `keys` keys of one layout.
 async fn memory(redis_url: String, keys: u64, layout: Layout) -> anyhow::Result<()> {
-    let client = redis::Client::open(redis_url.as_str())?;
-    // No response timeout: FLUSHALL of millions of keys takes seconds.
-    let config = redis::AsyncConnectionConfig::new().set_response_timeout(None);
-    let mut conn = client.get_multiplexed_async_connection_with_config(&config).await?;
-    let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await?;
-    let _: () = redis::cmd("MEMORY").arg("PURGE").query_async(&mut conn).await?;
-    let before = used_memory(&mut conn).await?;
+    let cluster = redis_url.contains(',');
+    anyhow::ensure!(!cluster || layout == Layout::New, "the old layout is measured on a single Redis");
+    for (_, mut conn) in nodes(&redis_url).await? {
+        if is_master(&mut conn).await? {
+            let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await?;
+            let _: () = redis::cmd("MEMORY").arg("PURGE").query_async(&mut conn).await?;
+        }
+    }
+    let before = masters_memory(&redis_url).await?;
+    let first = redis_url.split(',').next().expect("one URL at least");
+    let client = redis::Client::open(first)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
     let mut rng = rand::rngs::StdRng::seed_from_u64(2);
     match layout {
         Layout::Old => {
@@ -238,7 +339,8 @@ async fn memory(redis_url: String, keys: u64, layout: Layout) -> anyhow::Result<
         Layout::New => {
             // About 100 entries per hash, as `dedup.shards` should be sized.
             let shards = (keys / 100).next_power_of_two().clamp(1 << 12, 1 << 24) as u32;
-            let mut cache = cache(&redis_url, "clickagg:dedup:", shards)?;
+            // No WAIT: memory, not durability, is measured here.
+            let mut cache = cache(&redis_url, "clickagg:dedup:", shards, None, Some(0))?;
             let fingerprints = Fingerprinter::new("bench");
             let now = chrono::Utc::now().timestamp() as u32;
             for start in (0..keys).step_by(2_000) {
@@ -253,11 +355,17 @@ async fn memory(redis_url: String, keys: u64, layout: Layout) -> anyhow::Result<
             }
         }
     }
-    let after = used_memory(&mut conn).await?;
-    let dbsize: u64 = redis::cmd("DBSIZE").query_async(&mut conn).await?;
+    let after = masters_memory(&redis_url).await?;
+    let mut dbsize = 0u64;
+    for (_, mut conn) in nodes(&redis_url).await? {
+        if is_master(&mut conn).await? {
+            dbsize += redis::cmd("DBSIZE").query_async::<u64>(&mut conn).await?;
+        }
+    }
     println!(
-        "{} layout: {keys} keys in {dbsize} Redis keys, {:.1} bytes per key (used_memory {} -> {})",
+        "{} layout{}: {keys} keys in {dbsize} Redis keys, {:.1} bytes per key (used_memory of the masters {} -> {})",
         if layout == Layout::Old { "old" } else { "new" },
+        if cluster { " on a Redis Cluster (replicas hold as much again)" } else { "" },
         (after - before) as f64 / keys as f64,
         before,
         after

@@ -4,16 +4,23 @@
 -- holds this same logic in Rust (`decide_shared`), where the property test checks it.
 --
 -- Keys come in groups (one group per Redis Cluster hash tag; a single Redis has one),
--- and every call touches one group only:
+-- and every call touches one group only (a Redis Cluster runs a function only on keys
+-- of one slot):
 --   shard hashes   field = a fingerprint's low 88 bits (11 bytes); value = one 12-byte
 --                  chain per partition that sighted the click, '>HI6I4': the partition
 --                  (bit 15 set when the chain counted), the offset where the chain
 --                  started, and the record time (s) of its latest sighting
 --   frontier       field = partition, value = '>I6I4I6': the highest offset of that
---                  partition claimed in this group, its record time, and the offset from
---                  which the entries are exact for re-reads (a warm-up that rebuilt lost
---                  state makes them exact from the boundary it counted from); a claim at
---                  or below the highest offset is a re-read, which never changes an entry
+--                  partition claimed through this group, its record time, and the offset
+--                  from which the entries are exact for re-reads (a warm-up that rebuilt
+--                  lost state makes them exact from the boundary it counted from); a claim
+--                  at or below the highest offset is a re-read, which never changes an
+--                  entry. "Claimed through": the client sends every group the highest
+--                  offset of each partition in the poll batch (a mark), also groups that
+--                  got none of its clicks, so all groups' frontiers agree once every call
+--                  of a batch succeeded; a group whose frontier is behind the others (a
+--                  crash between the calls) or missing (a node that lost its data) shows
+--                  the client where the cache is incomplete.
 --   x:<partition>  sorted set of the cross-partition decisions made in this group, scored
 --                  by offset (member = offset * 4 + 1), until their pins are durable
 --
@@ -48,13 +55,27 @@ local function pack(chains)
   return table.concat(parts)
 end
 
+-- Whether this group still holds the cross-partition decision its first claim of `o`
+-- made (until the flush that records it durably is committed).
+local function cached_pin(xkey, o)
+  return xkey ~= nil and redis.call('ZSCORE', xkey, o * 4 + 1) ~= false
+end
+
 -- KEYS[1] = the group's frontier hash, KEYS[2 .. m+1] = the x sorted sets of the
 -- partitions named in ARGV[3], KEYS[m+2 ..] = shard hashes.
 -- ARGV[1] = the window (s); ARGV[2] = claims packed back to back, each: key index into
 --   KEYS (u16, 1-based), field (11 bytes), partition (u16), offset (u48), record time
 --   (u32, s), mode (u8: bit 0 = pinned as a cross-partition duplicate at its first read,
 --   bit 1 = a warm-up sighting, decided within its partition); ARGV[3] = the partitions
---   of KEYS[2 .. m+1], comma-separated.
+--   of KEYS[2 .. m+1], comma-separated; ARGV[4] = the marks, packed back to back, each
+--   '>HI6I4': a partition of the poll batch, its highest offset claimed in the batch (in
+--   any group) and that record's time. The frontier of a marked partition moves to its
+--   mark; the claims of this call lie at or below it.
+--
+-- Claiming again what was claimed before (a retry after a reply was lost, a crash
+-- between the calls of one batch) answers what the first claim answered: the counted
+-- record 'O', a later sighting 'D', a cross-partition duplicate 'X' (from the sorted set
+-- x:<partition>, where the first claim put it). Nothing changes in the cache.
 -- Returns one verdict byte per claim:
 --   F first in its partition within the window (counts)    O the counted record, re-read
 --   D an earlier sighting in its partition within the window
@@ -73,6 +94,7 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
     elseif pinned then return 'X'
     elseif o == c.first and c.counted then return 'O'
     elseif o > c.first then return 'D'
+    elseif cached_pin(xkey, o) then return 'X'
     else return 'U' end
   end
   if mine and clock - chains[mine].seen <= window then
@@ -113,11 +135,7 @@ local function claim(keys, args)
   local frontier = {}   -- partition -> highest offset claimed before this claim
   local exact = {}      -- partition -> first offset a re-read can be decided at
   local touched = {}    -- partition -> record time at its new frontier
-  local out = {}
-  for i = 0, #blob / CLAIM_SIZE - 1 do
-    local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
-    local pinned = mode % 2 == 1
-    local warm = mode >= 2
+  local function load(p)
     local f = frontier[p]
     if f == nil then
       local v = call('HGET', fkey, p)
@@ -128,6 +146,14 @@ local function claim(keys, args)
         f, exact[p] = -1, 0
       end
     end
+    return f
+  end
+  local out = {}
+  for i = 0, #blob / CLAIM_SIZE - 1 do
+    local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
+    local pinned = mode % 2 == 1
+    local warm = mode >= 2
+    local f = load(p)
     local key = keys[ki]
     local reread = o <= f
     local verdict
@@ -146,6 +172,7 @@ local function claim(keys, args)
           elseif pinned then verdict = 'X'
           elseif o == first and pc >= COUNTED then verdict = 'O'
           elseif o > first then verdict = 'D'
+          elseif cached_pin(xkeys[p], o) then verdict = 'X'
           else verdict = 'U' end
         elseif clock - seen <= window then
           if clock > seen then call('HSET', key, field, pack_(CHAIN, pc, first, clock)) end
@@ -167,6 +194,14 @@ local function claim(keys, args)
       touched[p] = clock
     else
       frontier[p] = f
+    end
+  end
+  local marks = args[4] or ''
+  for j = 1, #marks, CHAIN_SIZE do
+    local p, o, clock = unpack_(CHAIN, marks, j)
+    if o > load(p) then
+      frontier[p] = o
+      touched[p] = clock
     end
   end
   for p, clock in pairs(touched) do

@@ -153,12 +153,15 @@ pub struct ClaimMode {
 /// What `claim.lua` does with one sighting: the verdict, after updating `entry` (the
 /// chains of the click). A sighting at or below the partition's frontier is a re-read,
 /// which never changes the entry. (`claim.lua` also keeps new cross-partition verdicts
-/// until their pins are durable, and moves the frontier.)
+/// until their pins are durable, and moves the frontier.) `cached_pin`: the cache still
+/// holds the cross-partition verdict an earlier claim of this very sighting made (its
+/// sorted set `x:<partition>`), so claiming it again answers the same.
 pub fn decide_shared(
     entry: &mut Vec<Chain>,
     s: Sighting,
     frontier: Option<Frontier>,
     mode: ClaimMode,
+    cached_pin: bool,
     window: Secs,
 ) -> Verdict {
     let reread = frontier.is_some_and(|f| s.offset <= f.claimed);
@@ -173,6 +176,9 @@ pub fn decide_shared(
             None if s.offset == chain.first && chain.counted => Verdict::Own,
             // A later sighting of the chain: it did not count.
             None if s.offset > chain.first => Verdict::Duplicate,
+            // Claimed again before its pin was durable (a retry, a crash between the
+            // calls of one batch): the cache kept the decision.
+            None if cached_pin => Verdict::CrossDuplicate,
             // The chain's uncounted start without its pin, or a sighting from before the
             // chain (more than a window before it): the cache cannot say.
             None => Verdict::Undecidable,
@@ -335,52 +341,79 @@ mod tests {
     #[test]
     fn fresh_sightings_follow_the_sliding_window_of_their_partition() {
         let mut e = vec![chain(0, 10, true, 100)];
-        assert_eq!(decide_shared(&mut e, at(0, 30, 150), upto(20), live(), W), Verdict::Duplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 30, 150), upto(20), live(), false, W), Verdict::Duplicate);
         assert_eq!(e, vec![chain(0, 10, true, 150)], "the window slides with every sighting");
-        assert_eq!(decide_shared(&mut e, at(0, 31, 211), upto(30), live(), W), Verdict::First);
+        assert_eq!(decide_shared(&mut e, at(0, 31, 211), upto(30), live(), false, W), Verdict::First);
         assert_eq!(e, vec![chain(0, 31, true, 211)], "a new chain");
         let mut none = Vec::new();
-        assert_eq!(decide_shared(&mut none, at(0, 0, 0), None, live(), W), Verdict::First, "nothing read yet");
+        assert_eq!(decide_shared(&mut none, at(0, 0, 0), None, live(), false, W), Verdict::First, "nothing read yet");
     }
 
     #[test]
     fn the_owner_read_again_counts_and_a_later_sighting_read_again_does_not() {
         let mut e = vec![chain(0, 10, true, 100)];
-        assert_eq!(decide_shared(&mut e, at(0, 10, 100), upto(20), live(), W), Verdict::Own);
-        assert_eq!(decide_shared(&mut e, at(0, 15, 120), upto(20), live(), W), Verdict::Duplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), upto(20), live(), false, W), Verdict::Own);
+        assert_eq!(decide_shared(&mut e, at(0, 15, 120), upto(20), live(), false, W), Verdict::Duplicate);
         // Before the chain: a window separates it from the chain, and nothing more is known.
-        assert_eq!(decide_shared(&mut e, at(0, 5, 30), upto(20), live(), W), Verdict::Undecidable);
+        assert_eq!(decide_shared(&mut e, at(0, 5, 30), upto(20), live(), false, W), Verdict::Undecidable);
         // A re-read that finds no chain cannot tell a lost entry from a click never seen.
-        assert_eq!(decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), W), Verdict::Undecidable);
+        assert_eq!(decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), false, W), Verdict::Undecidable);
         assert_eq!(e, vec![chain(0, 10, true, 100)], "re-reads change nothing");
         // Below where a rebuilt cache is exact from: it may lack sightings before.
         let rebuilt = Some(Frontier { claimed: 20, exact_from: 12 });
-        assert_eq!(decide_shared(&mut e, at(0, 10, 100), rebuilt, live(), W), Verdict::Undecidable);
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), rebuilt, live(), false, W), Verdict::Undecidable);
     }
 
     #[test]
     fn a_copy_on_another_partition_is_a_duplicate_only_within_the_window_of_a_counted_chain() {
         let mut e = vec![chain(1, 4, true, 1_000)];
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, W), Verdict::CrossDuplicate);
         assert_eq!(e[1], chain(0, 7, false, 1_040), "its own partition's chain starts, uncounted");
-        assert_eq!(decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), W), Verdict::Duplicate, "within its chain");
+        assert_eq!(
+            decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), false, W),
+            Verdict::Duplicate,
+            "within its chain"
+        );
         let mut far = vec![chain(1, 4, true, 1_000)];
-        assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), W), Verdict::First);
+        assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), false, W), Verdict::First);
         let mut uncounted = vec![chain(1, 4, false, 1_000)];
-        assert_eq!(decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), W), Verdict::First, "a copy of a copy");
+        assert_eq!(
+            decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), false, W),
+            Verdict::First,
+            "a copy of a copy"
+        );
         let mut warm = vec![chain(1, 4, true, 1_000)];
         let warm_mode = ClaimMode { warm: true, pin: None };
-        assert_eq!(decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, W), Verdict::First, "no cross check");
+        assert_eq!(
+            decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, false, W),
+            Verdict::First,
+            "no cross check"
+        );
     }
 
     #[test]
     fn a_recorded_pin_is_applied_with_its_effect_and_read_again_without() {
         let pinned = ClaimMode { pin: Some(Pin::CrossDuplicate), warm: false };
         let mut e = Vec::new();
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, false, W), Verdict::CrossDuplicate);
         assert_eq!(e, vec![chain(0, 7, false, 1_040)]);
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), pinned, W), Verdict::CrossDuplicate);
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), W), Verdict::Undecidable, "pin lost");
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), pinned, false, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), false, W), Verdict::Undecidable, "pin lost");
+    }
+
+    #[test]
+    fn a_cross_partition_verdict_claimed_again_before_it_is_durable_comes_from_the_cache() {
+        // The first claim made the verdict; a retry of the same claims (its answer was
+        // lost, or another group's call of the batch failed) finds it in the cache.
+        let mut e = vec![chain(1, 4, true, 1_000)];
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, W), Verdict::CrossDuplicate);
+        let before = e.clone();
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), true, W), Verdict::CrossDuplicate);
+        assert_eq!(e, before, "claiming again changes nothing");
+        // The cached verdict never overrides what the chain itself says.
+        let mut counted = vec![chain(0, 7, true, 1_040)];
+        assert_eq!(decide_shared(&mut counted, at(0, 7, 1_040), upto(9), live(), true, W), Verdict::Own);
+        assert_eq!(decide_shared(&mut counted, at(0, 8, 1_041), upto(9), live(), true, W), Verdict::Duplicate);
     }
 
     #[test]

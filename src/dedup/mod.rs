@@ -50,4 +50,4 @@ pub use decide::{
     decide_shared, Chain, ClaimMode, Frontier, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict,
 };
 pub use fingerprint::{Fingerprint, Fingerprinter};
-pub use shared::{Claim, Claimer, DedupError, SharedCache, Verdicts};
+pub use shared::{Claim, Claimer, DedupError, RedisTarget, SharedCache, Verdicts, Wait};

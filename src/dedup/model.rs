@@ -1,11 +1,14 @@
 //! The property test of the definition (README, "What counts"): a model of the whole
 //! system — the log, the shared cache (`decide_shared`, applied as `claim.lua` applies
-//! it), private scopes, ClickHouse (rows read through FINAL, and pins) and the group's
-//! committed offsets — driven through any interleaving of live members that flush or
-//! crash, cache wipes, group resets to any offset and replays of any range, with the
-//! same planning (`position`) and fall-back rules as the pipeline. Whatever happened,
-//! the rows in the table must give the counts the definition gives for the log, with
-//! the cross-partition decisions the members recorded.
+//! it, in key groups as on a Redis Cluster: one call per group and poll batch, with the
+//! batch's marks), private scopes, ClickHouse (rows read through FINAL, and pins) and
+//! the group's committed offsets — driven through any interleaving of live members that
+//! flush or crash (also between the group calls of one batch), cache wipes (all of it,
+//! or one key group: a Redis node that lost its data), group resets to any offset and
+//! replays of any range, with the same planning (`position`) and fall-back rules as the
+//! pipeline. Whatever happened, the rows in the table must give the counts the
+//! definition gives for the log, with the cross-partition decisions the members
+//! recorded.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -19,6 +22,12 @@ use crate::sink::{stored_version, Writer};
 
 const W: Secs = 10;
 const PARTITIONS: i32 = 2;
+/// Key groups of the cache; a click's entry lives in one (`SharedCache::group_of`).
+const GROUPS: usize = 2;
+
+fn group_of(click: u8) -> usize {
+    usize::from(click) % GROUPS
+}
 
 /// One record: its timestamp (s) and, for a valid click, its click ID and ad.
 #[derive(Debug, Clone, Copy)]
@@ -31,32 +40,41 @@ fn bucket(rec: &Rec, ad: u8) -> BucketKey {
     BucketKey { ad_id: u64::from(ad), minute: Minute::from_epoch_seconds(rec.ts - rec.ts % 60) }
 }
 
-/// Redis, ClickHouse and the group's offsets.
+/// One key group of the cache (a hash tag: on a Redis Cluster, one slot).
 #[derive(Default)]
-struct World {
+struct Group {
     entries: HashMap<u8, Vec<Chain>>,
-    /// Per partition: the highest offset claimed, its record time, and where re-reads
-    /// are exact from.
+    /// Per partition: the highest offset claimed through this group, its record time,
+    /// and where re-reads are exact from.
     frontier: HashMap<i32, (i64, Secs, i64)>,
     cached_pins: HashMap<(i32, i64), Pin>,
-    rows: HashMap<(Grain, i32, i64, BucketKey), (u64, u64)>,
-    pins: HashMap<(i32, i64), Pin>,
-    committed: HashMap<i32, i64>,
 }
 
-impl World {
-    /// `claim.lua` for one claim.
-    fn claim(&mut self, click: u8, s: Sighting, mode: ClaimMode) -> Verdict {
-        let f = self.frontier.get(&s.partition).map(|&(claimed, _, exact_from)| Frontier { claimed, exact_from });
-        let v = decide_shared(self.entries.entry(click).or_default(), s, f, mode, W);
-        let reread = f.is_some_and(|f| s.offset <= f.claimed);
-        if let (None, Some(new_pin), false) = (mode.pin, v.pin(), reread) {
-            self.cached_pins.insert((s.partition, s.offset), new_pin);
+impl Group {
+    /// `claim.lua`'s `claim`: the claims of one poll batch that fall in this group, in
+    /// order, then the batch's marks.
+    fn call(&mut self, claims: &[(u8, Sighting, ClaimMode)], marks: &BTreeMap<i32, (i64, Secs)>) -> Vec<Verdict> {
+        let mut out = Vec::with_capacity(claims.len());
+        for &(click, s, mode) in claims {
+            let f = self.frontier.get(&s.partition).map(|&(claimed, _, exact_from)| Frontier { claimed, exact_from });
+            let reread = f.is_some_and(|f| s.offset <= f.claimed);
+            let cached = reread && self.cached_pins.contains_key(&(s.partition, s.offset));
+            let v = decide_shared(self.entries.entry(click).or_default(), s, f, mode, cached, W);
+            if let (None, Some(new_pin), false) = (mode.pin, v.pin(), reread) {
+                self.cached_pins.insert((s.partition, s.offset), new_pin);
+            }
+            if !reread {
+                self.frontier.insert(s.partition, (s.offset, s.clock, f.map_or(0, |f| f.exact_from)));
+            }
+            out.push(v);
         }
-        if !reread {
-            self.frontier.insert(s.partition, (s.offset, s.clock, f.map_or(0, |f| f.exact_from)));
+        for (&p, &(o, clock)) in marks {
+            let now = self.frontier.get(&p).copied();
+            if now.is_none_or(|(claimed, _, _)| o > claimed) {
+                self.frontier.insert(p, (o, clock, now.map_or(0, |(_, _, exact_from)| exact_from)));
+            }
         }
-        v
+        out
     }
 
     /// `claim.lua`'s `restart`.
@@ -64,6 +82,44 @@ impl World {
         if self.frontier.get(&partition).is_none_or(|&(claimed, _, _)| claimed < lookback - 1) {
             self.frontier.insert(partition, (lookback - 1, 0, boundary));
         }
+    }
+}
+
+/// Redis, ClickHouse and the group's offsets.
+struct World {
+    groups: Vec<Group>,
+    rows: HashMap<(Grain, i32, i64, BucketKey), (u64, u64)>,
+    pins: HashMap<(i32, i64), Pin>,
+    committed: HashMap<i32, i64>,
+}
+
+impl Default for World {
+    fn default() -> World {
+        World {
+            groups: (0..GROUPS).map(|_| Group::default()).collect(),
+            rows: HashMap::new(),
+            pins: HashMap::new(),
+            committed: HashMap::new(),
+        }
+    }
+}
+
+impl World {
+    /// `SharedCache::frontiers`: what every group says of `partition`, merged for a
+    /// reader counting from `m.boundary`.
+    fn frontier(&self, partition: i32, m: Marks) -> Option<CacheFrontier> {
+        let per_group: Vec<Option<CacheFrontier>> = self
+            .groups
+            .iter()
+            .map(|g| {
+                g.frontier.get(&partition).map(|&(claimed, clock, exact_from)| CacheFrontier {
+                    claimed,
+                    clock,
+                    exact_from,
+                })
+            })
+            .collect();
+        position::merge_frontiers(&per_group, m).0
     }
 
     /// A durable flush: pins, then rows (`ReplacingMergeTree`: the highest stored version
@@ -84,14 +140,16 @@ impl World {
         if commit {
             for (&p, &c) in &flush.commits {
                 self.committed.insert(p, c);
-                self.cached_pins.retain(|&(xp, o), _| xp != p || o >= c);
+                for g in &mut self.groups {
+                    g.cached_pins.retain(|&(xp, o), _| xp != p || o >= c);
+                }
             }
         }
     }
 
     fn recorded_pins(&self, partition: i32, from: i64, with_cache: bool) -> BTreeMap<i64, Pin> {
         let mut out: BTreeMap<i64, Pin> = BTreeMap::new();
-        let cached = self.cached_pins.iter().filter(|_| with_cache);
+        let cached = self.groups.iter().flat_map(|g| g.cached_pins.iter()).filter(|_| with_cache);
         for (&(p, o), &pin) in self.pins.iter().chain(cached) {
             if p == partition && o >= from {
                 out.insert(o, pin);
@@ -163,14 +221,11 @@ impl<'a> Process<'a> {
             let len = log[p as usize].len() as i64;
             let boundary = position::boundary(n, 0, len, world.committed.get(&p).copied());
             let m = marks(&log[p as usize], boundary);
-            let frontier = world.frontier.get(&p).map(|&(claimed, clock, exact_from)| CacheFrontier {
-                claimed,
-                clock,
-                exact_from,
-            });
-            let start = position::shared_start(p, m, frontier);
+            let start = position::shared_start(p, m, world.frontier(p, m));
             if start.read_from == m.lookback && m.lookback < m.boundary {
-                world.restart(p, m.lookback, m.boundary);
+                for g in &mut world.groups {
+                    g.restart(p, m.lookback, m.boundary);
+                }
             }
             process.readers.insert(p, Reader::new(start, world.recorded_pins(p, start.read_from, true)));
         }
@@ -189,41 +244,81 @@ impl<'a> Process<'a> {
         process
     }
 
-    /// Reads up to `k` records of `p` (`Stages::process`).
-    fn read(&mut self, world: &mut World, p: i32, k: usize) {
-        for _ in 0..k {
-            let reader = self.readers.get_mut(&p).expect("assigned");
-            let log = &self.log[p as usize];
-            let Some(&rec) = log.get(reader.next as usize) else { return };
-            let o = reader.next;
+    /// Reads a poll batch of up to `k` records of `p` (`Stages::prepare`, the `Claimer`,
+    /// `Stages::apply`). Its claims go to the cache one key group at a time; with
+    /// `crash_after` set, only the groups in that bit set get theirs before the process
+    /// dies (`false`: nothing of the batch is applied, the process is gone).
+    fn read(&mut self, world: &mut World, p: i32, k: usize, crash_after: Option<u8>) -> bool {
+        struct Item {
+            offset: i64,
+            rec: Rec,
+            clock: Secs,
+            warm: bool,
+            verdict: Option<Verdict>,
+        }
+        let reader = self.readers.get_mut(&p).expect("assigned");
+        let log = &self.log[p as usize];
+        let mut items = Vec::new();
+        while items.len() < k {
+            let Some(&rec) = log.get(reader.next as usize) else { break };
+            let offset = reader.next;
             reader.next += 1;
             let clock = reader.clock.tick(Some(i64::from(rec.ts) * 1000));
-            let warm = o < reader.start.count_from;
-            let Some((click, ad)) = rec.click else {
-                if !warm {
-                    self.agg.observe(p, o, None, None);
+            items.push(Item { offset, rec, clock, warm: offset < reader.start.count_from, verdict: None });
+        }
+        // Decisions: private ones at once, shared ones per key group with the marks.
+        let mut claims: Vec<Vec<(usize, (u8, Sighting, ClaimMode))>> = (0..GROUPS).map(|_| Vec::new()).collect();
+        let mut marks: BTreeMap<i32, (i64, Secs)> = BTreeMap::new();
+        for (i, item) in items.iter_mut().enumerate() {
+            let Some((click, _)) = item.rec.click else { continue };
+            let recorded = reader.pins.get(&item.offset).copied();
+            match reader.start.scope {
+                Scope::Private => {
+                    let pin = recorded.filter(|_| !item.warm);
+                    item.verdict = Some(self.private.sight(p, u128::from(click), item.clock, pin));
                 }
-                continue;
-            };
-            let recorded = reader.pins.get(&o).copied();
-            let verdict = match reader.start.scope {
-                Scope::Private => self.private.sight(p, u128::from(click), clock, recorded.filter(|_| !warm)),
                 Scope::Shared { .. } => {
-                    world.claim(click, Sighting { partition: p, offset: o, clock }, ClaimMode { pin: recorded, warm })
+                    let s = Sighting { partition: p, offset: item.offset, clock: item.clock };
+                    claims[group_of(click)].push((i, (click, s, ClaimMode { pin: recorded, warm: item.warm })));
+                    marks.insert(p, (item.offset, item.clock));
                 }
+            }
+        }
+        if !marks.is_empty() {
+            for (g, group_claims) in claims.iter().enumerate() {
+                if crash_after.is_some_and(|applied| applied & (1 << g) == 0) {
+                    continue;
+                }
+                let calls: Vec<_> = group_claims.iter().map(|&(_, c)| c).collect();
+                let verdicts = world.groups[g].call(&calls, &marks);
+                for (&(i, _), v) in group_claims.iter().zip(verdicts) {
+                    items[i].verdict = Some(v);
+                }
+            }
+        }
+        if crash_after.is_some() {
+            return false;
+        }
+        if items.iter().any(|i| !i.warm && i.verdict == Some(Verdict::Undecidable)) {
+            // Nothing of this batch is taken in: the partition starts over privately.
+            self.fall_back(world, p);
+            return true;
+        }
+        for item in items {
+            if item.warm {
+                continue;
+            }
+            let Some((_, ad)) = item.rec.click else {
+                self.agg.observe(p, item.offset, None, None);
+                continue;
             };
-            if warm {
-                continue;
-            }
-            if verdict == Verdict::Undecidable {
-                self.fall_back(world, p);
-                continue;
-            }
-            let counted = verdict.counts().then(|| bucket(&rec, ad));
+            let verdict = item.verdict.expect("decided");
+            let counted = verdict.counts().then(|| bucket(&item.rec, ad));
             // Pins are recorded again on re-reads: one applied from the cache may not be
             // durable yet, and the trim after this flush's commit drops it there.
-            self.agg.observe(p, o, counted, verdict.pin().map(|pin| (pin, bucket(&rec, ad))));
+            self.agg.observe(p, item.offset, counted, verdict.pin().map(|pin| (pin, bucket(&item.rec, ad))));
         }
+        true
     }
 
     /// `Stages::fall_back_to_private`.
@@ -241,7 +336,7 @@ impl<'a> Process<'a> {
         for p in 0..PARTITIONS {
             // Several passes: a fall-back starts the partition over.
             while self.readers[&p].next < self.log[p as usize].len() as i64 {
-                self.read(world, p, usize::MAX);
+                self.read(world, p, 7, None);
             }
         }
     }
@@ -273,10 +368,14 @@ fn expected(log: &[Vec<Rec>], pins: &HashMap<(i32, i64), Pin>) -> BTreeMap<Bucke
 
 #[derive(Debug, Clone)]
 enum Op {
-    /// A member reads (partition, records, flush afterwards) steps, then crashes.
-    Crash(Vec<(i32, usize, bool)>),
+    /// A member reads (partition, records, flush afterwards) steps, then crashes; with
+    /// the last value set, while the claims of one more poll batch (partition, records)
+    /// reached only the key groups in that bit set.
+    Crash(Vec<(i32, usize, bool)>, Option<(i32, usize, u8)>),
     /// The cache loses everything (a flushed Redis, expired keys).
     Wipe,
+    /// One key group loses everything (a Redis Cluster node that lost its data).
+    WipeGroup(usize),
     /// The group's offsets are moved back, per partition, to a fraction of its length.
     Reset(Vec<f64>),
     /// A replay from a fraction of each partition's length.
@@ -305,9 +404,12 @@ fn logs() -> impl Strategy<Value = Vec<Vec<Rec>>> {
 
 fn ops() -> impl Strategy<Value = Vec<Op>> {
     let fractions = || prop::collection::vec(0.0f64..1.0, PARTITIONS as usize);
+    let steps = prop::collection::vec((0..PARTITIONS, 1usize..25, any::<bool>()), 0..8);
+    let torn = prop::option::weighted(0.3, (0..PARTITIONS, 1usize..25, 0u8..(1 << GROUPS)));
     let op = prop_oneof![
-        4 => prop::collection::vec((0..PARTITIONS, 1usize..25, any::<bool>()), 0..8).prop_map(Op::Crash),
+        4 => (steps, torn).prop_map(|(steps, torn)| Op::Crash(steps, torn)),
         1 => Just(Op::Wipe),
+        1 => (0..GROUPS).prop_map(Op::WipeGroup),
         1 => fractions().prop_map(Op::Reset),
         1 => fractions().prop_map(Op::Replay),
     ];
@@ -334,20 +436,24 @@ proptest! {
         let mut world = World::default();
         for op in &ops {
             match op {
-                Op::Crash(steps) => {
+                Op::Crash(steps, torn) => {
                     let mut member = Process::member(&mut world, &log, n);
                     for &(p, k, flush) in steps {
-                        member.read(&mut world, p, k);
+                        member.read(&mut world, p, k, None);
                         if flush {
                             member.flush(&mut world, true);
                         }
                     }
+                    if let Some((p, k, applied)) = *torn {
+                        member.read(&mut world, p, k, Some(applied));
+                    }
                 }
                 Op::Wipe => {
-                    world.entries.clear();
-                    world.frontier.clear();
-                    world.cached_pins.clear();
+                    for g in &mut world.groups {
+                        *g = Group::default();
+                    }
                 }
+                Op::WipeGroup(g) => world.groups[*g] = Group::default(),
                 Op::Reset(f) => {
                     // Back only: a reset forward skips records on purpose, and nothing
                     // counts them until a replay reads them.
@@ -387,10 +493,11 @@ fn without_copies_on_other_partitions_the_counts_are_the_definition_alone() {
     let n = BatchOffsets::new(2).unwrap();
     let mut world = World::default();
     let mut member = Process::member(&mut world, &log, n);
-    member.read(&mut world, 0, 3);
+    member.read(&mut world, 0, 3, None);
     member.flush(&mut world, true);
-    world.entries.clear();
-    world.frontier.clear();
+    for g in &mut world.groups {
+        *g = Group::default();
+    }
     let mut replay = Process::replay(&world, &log, n, &[1, 0]);
     replay.read_to_end(&mut world);
     replay.flush(&mut world, false);

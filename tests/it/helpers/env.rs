@@ -62,6 +62,8 @@ pub struct TestEnv {
     pub group: String,
     pub redis_prefix: String,
     pub database: String,
+    /// The ClickHouse cluster the tables live on (`clickhouse.cluster`), if any.
+    pub clickhouse_cluster: Option<String>,
     pub batch_offsets: u64,
     pub log_dir: PathBuf,
     /// Extra `CLICKAGG__…` variables for every member.
@@ -86,7 +88,25 @@ impl TestEnv {
         .await
     }
 
+    /// A test on the cluster stack (`scripts/stack up cluster`): three brokers, a Redis
+    /// Cluster, ClickHouse tables replicated and sharded over the cluster's nodes.
+    #[allow(dead_code)] // the cluster test target's
+    pub async fn on_cluster(name: &str) -> TestEnv {
+        let c = super::cluster::ClusterStack::require();
+        Self::on_services(name, c.brokers(), c.redis_url(), c.clickhouse_url(), Some(c.clickhouse_cluster())).await
+    }
+
     async fn on(name: &str, brokers: String, redis_url: String, clickhouse_url: String) -> TestEnv {
+        Self::on_services(name, brokers, redis_url, clickhouse_url, None).await
+    }
+
+    async fn on_services(
+        name: &str,
+        brokers: String,
+        redis_url: String,
+        clickhouse_url: String,
+        clickhouse_cluster: Option<String>,
+    ) -> TestEnv {
         let tag: u32 = rand::rng().random();
         let tag = format!("{tag:08x}");
         let log_dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("it-logs").join(format!("{name}-{tag}"));
@@ -100,6 +120,7 @@ impl TestEnv {
             group: format!("it-{name}-{tag}"),
             redis_prefix: format!("it:{name}:{tag}:"),
             database: format!("it_{name}_{tag}"),
+            clickhouse_cluster,
             batch_offsets: 1_000,
             log_dir,
             extra_env: Vec::new(),
@@ -119,6 +140,7 @@ impl TestEnv {
         s.clickhouse.url = clickagg::config::SecretUrl::new(self.clickhouse_url.clone());
         s.clickhouse.tls_ca_file = self.clickhouse_ca.clone();
         s.clickhouse.database = self.database.clone();
+        s.clickhouse.cluster = self.clickhouse_cluster.clone();
         s.pipeline.batch_offsets = self.batch_offsets;
         s
     }
@@ -151,6 +173,9 @@ impl TestEnv {
         .collect();
         if let Some(ca) = &self.clickhouse_ca {
             v.push(("CLICKAGG__CLICKHOUSE__TLS_CA_FILE".into(), ca.display().to_string()));
+        }
+        if let Some(cluster) = &self.clickhouse_cluster {
+            v.push(("CLICKAGG__CLICKHOUSE__CLUSTER".into(), cluster.clone()));
         }
         v.extend(self.extra_env.iter().cloned());
         v

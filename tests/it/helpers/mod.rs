@@ -7,9 +7,15 @@
 //! - [`stack`]: private service instances a fault test may stop (`PrivateStack`);
 //! - [`kafka`]: reading topics and group offsets back;
 //! - [`http`]: the member's HTTP endpoints and the metrics text;
-//! - [`wait`]: the one way to wait for a condition (`wait_until`).
+//! - [`wait`]: the one way to wait for a condition (`wait_until`);
+//! - [`cache_model`]: the Rust model of the Redis dedup cache, to compare `claim.lua` with;
+//! - [`cluster`]: the cluster stack (`scripts/stack up cluster`) and its nodes.
 
 pub mod browser;
+pub mod cache_model;
+// Only the cluster test target (tests/cluster) uses it.
+#[allow(dead_code)]
+pub mod cluster;
 pub mod env;
 pub mod http;
 pub mod kafka;

@@ -1,0 +1,129 @@
+//! The Rust model of the dedup cache (`dedup::decide_shared` per key group, as
+//! `claim.lua` applies it) and the comparison of the Redis function against it: the
+//! same random claims — fresh and re-read, pinned, warm-up, on several partitions,
+//! across restarts — must get the same verdicts. `dedup_cache.rs` runs it against one
+//! Redis, the cluster suite against a Redis Cluster.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use clickagg::dedup::{
+    decide_shared, Chain, Claim, ClaimMode, Fingerprint, Frontier, Pin, SharedCache, Sighting, Verdict,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+pub const WINDOW: u32 = 20;
+pub const SHARDS: u32 = 4096;
+
+/// One key group of the cache, as the Rust model holds it.
+#[derive(Default)]
+struct Group {
+    entries: HashMap<u128, Vec<Chain>>,
+    frontier: HashMap<i32, (i64, i64)>,
+    /// Cross-partition verdicts not yet durable (`x:<partition>`).
+    pins: HashSet<(i32, i64)>,
+}
+
+/// The Rust model of one topic's cache.
+pub struct Model {
+    groups: Vec<Group>,
+}
+
+impl Model {
+    pub fn new(groups: u32) -> Model {
+        Model { groups: (0..groups).map(|_| Group::default()).collect() }
+    }
+
+    /// One poll batch: each claim in its group (`shard mod groups`), in order, then the
+    /// batch's marks (the highest offset per partition) in every group.
+    pub fn claim(&mut self, claims: &[Claim]) -> Vec<Verdict> {
+        let mut marks: BTreeMap<i32, i64> = BTreeMap::new();
+        let n = self.groups.len() as u32;
+        let verdicts = claims
+            .iter()
+            .map(|c| {
+                let s = c.sighting;
+                let mark = marks.entry(s.partition).or_insert(s.offset);
+                *mark = (*mark).max(s.offset);
+                let group = &mut self.groups[(c.fingerprint.shard(SHARDS) % n) as usize];
+                let f = group.frontier.get(&s.partition).map(|&(claimed, exact_from)| Frontier { claimed, exact_from });
+                let reread = f.is_some_and(|f| s.offset <= f.claimed);
+                let cached = reread && group.pins.contains(&(s.partition, s.offset));
+                let v = decide_shared(group.entries.entry(c.fingerprint.0).or_default(), s, f, c.mode, cached, WINDOW);
+                if c.mode.pin.is_none() && v.pin().is_some() && !reread {
+                    group.pins.insert((s.partition, s.offset));
+                }
+                if !reread {
+                    group.frontier.insert(s.partition, (s.offset, f.map_or(0, |f| f.exact_from)));
+                }
+                v
+            })
+            .collect();
+        for group in &mut self.groups {
+            for (&p, &o) in &marks {
+                let now = group.frontier.get(&p).copied();
+                if now.is_none_or(|(claimed, _)| o > claimed) {
+                    group.frontier.insert(p, (o, now.map_or(0, |(_, exact_from)| exact_from)));
+                }
+            }
+        }
+        verdicts
+    }
+
+    pub fn restart(&mut self, partition: i32, lookback: i64, boundary: i64) {
+        for group in &mut self.groups {
+            if group.frontier.get(&partition).is_none_or(|&(claimed, _)| claimed < lookback - 1) {
+                group.frontier.insert(partition, (lookback - 1, boundary));
+            }
+        }
+    }
+}
+
+/// Random batches of claims through `cache` and through the model; every verdict must
+/// agree. Returns how many claims were compared.
+pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
+    let mut model = Model::new(cache.groups());
+    let mut rng = StdRng::seed_from_u64(seed);
+    // Few click IDs, each claimed again and again, so that entries collect several
+    // partitions' chains; over 16 shards, so that they fall in up to 16 key groups.
+    let ids: Vec<Fingerprint> = (0..40u128).map(|i| Fingerprint(((i % 16) << 96) | (i * 7919))).collect();
+    let mut next: HashMap<i32, i64> = HashMap::new();
+    let mut clock: HashMap<i32, u32> = HashMap::new();
+    let mut checked = 0;
+    for round in 0..100 {
+        // Now and then a reader starts over from an earlier offset (a re-read: claims the
+        // cache holds already, its own included), or after a lost cache (a restart whose
+        // warm-up makes the cache exact only from a boundary).
+        if round % 7 == 3 {
+            let p = rng.random_range(0..3);
+            let back = rng.random_range(0..30);
+            let at = next.get(&p).copied().unwrap_or(0).saturating_sub(back);
+            next.insert(p, at);
+        }
+        if round % 11 == 5 {
+            let p = rng.random_range(0..3);
+            let at = next.get(&p).copied().unwrap_or(0);
+            cache.restart(p, at, at + 5).await.unwrap();
+            model.restart(p, at, at + 5);
+        }
+        let mut claims = Vec::new();
+        for _ in 0..rng.random_range(1..200) {
+            let p = rng.random_range(0..3);
+            let o = next.entry(p).or_insert(0);
+            let now = clock.entry(p).or_insert(1_000);
+            *now += rng.random_range(0..4);
+            let mode =
+                ClaimMode { pin: rng.random_bool(0.05).then_some(Pin::CrossDuplicate), warm: rng.random_bool(0.1) };
+            let sighting = Sighting { partition: p, offset: *o, clock: *now };
+            claims.push(Claim { fingerprint: ids[rng.random_range(0..ids.len())], sighting, mode });
+            *o += 1;
+        }
+        let from_redis = cache.claim(&claims).await.unwrap();
+        let from_model = model.claim(&claims);
+        for (i, (r, m)) in from_redis.iter().zip(&from_model).enumerate() {
+            assert_eq!(r, m, "seed {seed}, round {round}, claim {i}: {:?}", claims[i]);
+        }
+        checked += claims.len();
+    }
+    checked
+}
