@@ -86,7 +86,7 @@ async fn sigterm_while_clickhouse_is_unreachable_at_start_exits_0_with_nothing_t
     // Nothing listens there: the member waits as for a server still starting.
     let unreachable = format!("http://127.0.0.1:{}", crate::helpers::stack::free_port());
     let mut member = env.spawn("m", &["run"], &[("CLICKAGG__CLICKHOUSE__URL", &unreachable)]);
-    member.wait_for_line("waiting for ClickHouse", 0, Duration::from_secs(30)).await;
+    member.wait_for_line("reaching ClickHouse failed; retrying", 0, Duration::from_secs(30)).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0, "{}", member.tail(5));
 }
 
