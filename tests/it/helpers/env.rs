@@ -289,5 +289,46 @@ impl TestEnv {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let d = clickagg::verify::diff(expected, &self.billing().await);
         assert!(d.is_exact(), "counts drifted after converging:\n{}", d.report(20));
+        self.assert_rollups_agree().await;
+    }
+
+    /// The hourly and daily roll-ups say what the minute rows say, summed per hour and
+    /// day: every test that converges (through kills, replays, rebalances, outages)
+    /// checks that the three tables agree.
+    pub async fn assert_rollups_agree(&self) {
+        use clickagg::aggregate::Grain;
+        let client = self.sink().client().clone();
+        let topic = clickagg::sink::quote_literal(&self.topic);
+        for grain in [Grain::Hour, Grain::Day] {
+            let (table, time) = clickagg::sink::table_of(grain);
+            let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
+            let read = |sql: String| {
+                let client = client.clone();
+                async move {
+                    let rows: Vec<(u64, u32, u64)> = client.query(&sql).fetch_all().await.expect("roll-up query");
+                    rows.into_iter().map(|(ad, t, c)| ((ad, t), c)).collect::<BTreeMap<_, _>>()
+                }
+            };
+            let from_minutes = read(format!(
+                "SELECT ad_id, toUInt32({start}(minute)) AS t, sum(clicks) FROM ad_clicks_minute FINAL \
+                 WHERE topic = {topic} GROUP BY ad_id, t"
+            ))
+            .await;
+            let rolled_up = read(format!(
+                "SELECT ad_id, toUInt32({time}) AS t, sum(clicks) FROM {table} FINAL WHERE topic = {topic} GROUP BY ad_id, t"
+            ))
+            .await;
+            let differing: Vec<_> = from_minutes
+                .keys()
+                .chain(rolled_up.keys())
+                .filter(|k| from_minutes.get(k) != rolled_up.get(k))
+                .take(10)
+                .map(|k| (k, from_minutes.get(k), rolled_up.get(k)))
+                .collect();
+            assert!(
+                differing.is_empty() && !rolled_up.is_empty(),
+                "{table} disagrees with the minute rows ((ad, {time}), minutes, roll-up): {differing:?}"
+            );
+        }
     }
 }
