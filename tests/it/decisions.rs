@@ -83,7 +83,9 @@ async fn a_replay_of_the_middle_of_the_topic_without_dedup_keys_counts_exactly()
 async fn a_duplicate_whose_original_lies_before_the_replayed_range_is_not_counted_again() {
     let mut env = TestEnv::new("origbefore").await;
     env.batch_offsets = 100;
-    let t0 = chrono::Utc::now().timestamp_millis() - 10 * 60_000;
+    // At a minute's start: the fillers, 1.0–1.25 s after it, share its minute whatever
+    // the wall clock says (unaligned, 18 of them once fell into the next minute).
+    let t0 = minute_start_ago(10 * 60);
     // Partition 0: the original at offset 0, 250 other clicks, then its duplicate at 251.
     let mut records = vec![click("original", 7, t0, 0)];
     records.extend((0..250).map(|i| click(&format!("filler-{i}"), 8, t0 + 1_000 + i, 0)));
@@ -112,7 +114,8 @@ async fn a_repeat_after_the_window_counts_identically_live_and_on_replay() {
         ("CLICKAGG__DEDUP__WINDOW".to_string(), "60s".to_string()),
         ("CLICKAGG__VALIDATION__MAX_LATENESS".to_string(), "30s".to_string()),
     ]);
-    let t0 = chrono::Utc::now().timestamp_millis() - 20 * 60_000;
+    // At a minute's start, so that each sighting's fillers (+100..+114 ms) share its minute.
+    let t0 = minute_start_ago(20 * 60);
     // One click ID seen at t0, +50 s, +100 s and +200 s, between other clicks. Within a
     // partition a record counts if no earlier record with its ID lies within the window
     // (60 s) before it: t0 counts, +50 s and +100 s do not (each is 50 s after the last
@@ -213,6 +216,11 @@ async fn a_partition_lagging_beyond_what_the_cache_keeps_is_decided_from_the_log
     assert!(m.metric("clickagg_dedup_rebuilds_total", &["reason=\"lag\""]).await >= 1.0, "the lag was noticed");
     assert!(m.output().contains("rebuilding its state from the log"));
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// The start of the minute `secs` ago, in milliseconds.
+fn minute_start_ago(secs: i64) -> i64 {
+    ago_ms(secs).div_euclid(60_000) * 60_000
 }
 
 fn ago_ms(secs: i64) -> i64 {
