@@ -242,13 +242,8 @@ pub fn sql(args: &QueryArgs) -> Result<String> {
         None => BILLING_SQL,
         Some(0) => bail!("--top must be at least 1"),
         Some(n) => {
-            // Ranking needs only each ad's total over the range: the coarsest table
-            // that covers it, whatever the buckets (the top ads' buckets, a few rows
-            // found by the leading ad_id of the sort key, come from `table`).
-            let (rank_table, rank_time) = table_of(grain_for(By::Day, from, to));
+            // One read of `table` through FINAL ranks the ads and gives their buckets.
             params.push(("top", Param::UInt64(n)));
-            params.push(("rank_table", Param::Identifier(rank_table)));
-            params.push(("rank_time", Param::Identifier(rank_time)));
             BILLING_TOP_SQL
         }
     };
