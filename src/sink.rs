@@ -867,6 +867,12 @@ mod tests {
             "Code: 241. DB::Exception: Memory limit (total) exceeded (MEMORY_LIMIT_EXCEEDED)",
             "503 Service Unavailable",
             "<html><head><title>502 Bad Gateway</title></head></html>",
+            // A replica killed while a Distributed insert wrote to it (scripts/test-cluster).
+            "Code: 32, e.displayText() = DB::Exception: Attempt to read after eof: while receiving packet from \
+             127.0.0.1:19002: Insertion status:\nWrote 1 blocks and 90 rows on shard 0 replica 0, 127.0.0.1:19000 \
+             (average 0 ms per block)\n, e.what() = DB::Exception",
+            "Code: 32. DB::Exception: Attempt to read after eof: while receiving packet from node-3:9000. \
+             (ATTEMPT_TO_READ_AFTER_EOF)",
         ] {
             assert!(!bad(transient).is_fatal(), "{transient}");
         }
