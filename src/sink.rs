@@ -190,6 +190,12 @@ pub fn classify(e: clickhouse::error::Error) -> SinkError {
                 "clickagg writes up to 100 months per INSERT: set max_partitions_per_insert_block to 100 \
                  or more in clickhouse.user's settings profile",
             ),
+            // A cluster node that died mid-request: the node clickagg talks to reports
+            // the lost connection with the code of the read that failed (32
+            // ATTEMPT_TO_READ_AFTER_EOF, 33 CANNOT_READ_ALL_DATA, …) and names the node
+            // it was receiving from. An outage of that node, not a fault of the request;
+            // the insert is idempotent, so repeating it is safe.
+            Some(_) if msg.contains("while receiving packet from") => SinkError::Transient(msg),
             Some(code) => match class_of(code) {
                 Class::Transient => SinkError::Transient(msg),
                 Class::Fatal(fix) => fatal(msg, fix),
