@@ -8,21 +8,18 @@ use clickagg::dedup::SharedCache;
 use crate::helpers::cache_model::{compare, SHARDS, WINDOW};
 use crate::helpers::TestEnv;
 
+/// The test's dedup cache, spread over `groups` key groups.
+fn cache_in_groups(env: &TestEnv, groups: u32) -> SharedCache {
+    let s = env.settings();
+    let window = std::time::Duration::from_secs(u64::from(WINDOW));
+    SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, SHARDS, groups, window, s.redis.timeout)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_redis_function_decides_every_claim_as_the_rust_model_does() {
     for seed in 0..4 {
         let env = TestEnv::new("luamodel").await;
-        let s = env.settings();
-        let window = std::time::Duration::from_secs(u64::from(WINDOW));
-        let cache = SharedCache::new(
-            s.redis_client().unwrap(),
-            &env.redis_prefix,
-            &env.topic,
-            SHARDS,
-            1,
-            window,
-            s.redis.timeout,
-        );
+        let cache = cache_in_groups(&env, 1);
         let checked = compare(cache, seed).await;
         assert!(checked > 5_000, "{checked} claims compared");
     }
@@ -33,17 +30,7 @@ async fn the_redis_function_decides_as_the_rust_model_does_with_the_cache_in_thr
     // Key groups on one Redis: what a Redis Cluster does, minus the network.
     for seed in 10..12 {
         let env = TestEnv::new("luagroups").await;
-        let s = env.settings();
-        let window = std::time::Duration::from_secs(u64::from(WINDOW));
-        let cache = SharedCache::new(
-            s.redis_client().unwrap(),
-            &env.redis_prefix,
-            &env.topic,
-            SHARDS,
-            3,
-            window,
-            s.redis.timeout,
-        );
+        let cache = cache_in_groups(&env, 3);
         let checked = compare(cache, seed).await;
         assert!(checked > 5_000, "{checked} claims compared");
         let keys = env.dedup_keys().await;

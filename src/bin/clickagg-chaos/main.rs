@@ -128,13 +128,8 @@ const REDUCED: Preset = Preset {
 /// The run's settings, preset and flags resolved.
 struct Config {
     cli: Cli,
-    clicks: u64,
-    kills: u32,
-    replays: u32,
-    rate: u64,
-    partitions: i32,
-    clickhouse_outage: Duration,
-    settle_timeout: Duration,
+    /// The preset with the flags that override it.
+    run: Preset,
     settings: Settings,
 }
 
@@ -151,7 +146,7 @@ impl Config {
         settings.clickhouse.url = SecretUrl::new(cli.clickhouse_url.clone());
         settings.clickhouse.database = "chaos".into();
         settings.pipeline.batch_offsets = cli.batch_offsets;
-        let c = Config {
+        let run = Preset {
             clicks: cli.clicks.unwrap_or(p.clicks),
             kills: cli.kills.unwrap_or(p.kills),
             replays: cli.replays.unwrap_or(p.replays),
@@ -159,10 +154,12 @@ impl Config {
             partitions: cli.partitions.unwrap_or(p.partitions),
             clickhouse_outage: cli.clickhouse_outage.map_or(p.clickhouse_outage, Into::into),
             settle_timeout: cli.settle_timeout.map_or(p.settle_timeout, Into::into),
-            settings,
-            cli,
         };
-        ensure!(c.rate > 0 && c.clicks > 0 && c.partitions > 0, "--clicks, --rate and --partitions must be positive");
+        let c = Config { cli, run, settings };
+        ensure!(
+            c.run.rate > 0 && c.run.clicks > 0 && c.run.partitions > 0,
+            "--clicks, --rate and --partitions must be positive"
+        );
         Ok(c)
     }
 
@@ -171,7 +168,7 @@ impl Config {
     }
 
     fn production(&self) -> Duration {
-        Duration::from_secs_f64(self.clicks as f64 / self.rate as f64)
+        Duration::from_secs_f64(self.run.clicks as f64 / self.run.rate as f64)
     }
 
     /// Settings every child gets, as `CLICKAGG__` variables.
@@ -297,18 +294,18 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     log.note(format!(
         "topic {} ({} partitions), {} records at {}/s ({:.0} s), {} kills, {} replays, ClickHouse outage {:?}, seed {}",
         s.kafka.topic,
-        c.partitions,
-        c.clicks,
-        c.rate,
+        c.run.partitions,
+        c.run.clicks,
+        c.run.rate,
         production.as_secs_f64(),
-        c.kills,
-        c.replays,
-        c.clickhouse_outage,
+        c.run.kills,
+        c.run.replays,
+        c.run.clickhouse_outage,
         c.cli.seed
     ));
     let sink = Sink::new(&s.clickhouse);
     sink.migrate().await.context("migrating ClickHouse")?;
-    clickagg::source::ensure_topic(&s.kafka, &s.kafka.topic, c.partitions).await?;
+    clickagg::source::ensure_topic(&s.kafka, &s.kafka.topic, c.run.partitions).await?;
 
     // The group, the monitor of its members and the sampler of its progress.
     let fleet: SharedFleet = Arc::new(tokio::sync::Mutex::new(Fleet::new(Launcher {
@@ -329,22 +326,22 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     let sampler = progress::Sampler::start(
         group_reader,
         s.kafka.topic.clone(),
-        (0..c.partitions).collect(),
+        (0..c.run.partitions).collect(),
         progress::Stalls::new(c.cli.batch_offsets),
         log.t0,
     );
 
     // The records, at the rate asked, their record times following the wall clock.
     let start_ms = chrono::Utc::now().timestamp_millis();
-    let spec = Spec { count: c.clicks, seed: c.cli.seed, start_ms, span: production, ..Spec::default() };
-    let producer = tokio::spawn(produce(s.kafka.clone(), c.partitions, c.rate, spec, log.clone()));
+    let spec = Spec { count: c.run.clicks, seed: c.cli.seed, start_ms, span: production, ..Spec::default() };
+    let producer = tokio::spawn(produce(s.kafka.clone(), c.run.partitions, c.run.rate, spec, log.clone()));
 
     // The faults, meanwhile.
-    let shape = Shape { production, kills: c.kills, replays: c.replays, seed: c.cli.seed };
+    let shape = Shape { production, kills: c.run.kills, replays: c.run.replays, seed: c.cli.seed };
     let setup = inject::Setup {
         stack: c.cli.stack.clone(),
         session_timeout: c.cli.session_timeout.into(),
-        clickhouse_outage: c.clickhouse_outage,
+        clickhouse_outage: c.run.clickhouse_outage,
         start_ms,
         production,
     };
@@ -367,7 +364,7 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     log.note(format!("production done: {}", truth.summary()));
 
     // Every fault is over: the counts must become exact, and stay so through a drain.
-    let settled = settle(&sink, &s.kafka.topic, &truth.counts, c.settle_timeout, &log).await?;
+    let settled = settle(&sink, &s.kafka.topic, &truth.counts, c.run.settle_timeout, &log).await?;
     let stall = sampler.stop();
     monitor.abort();
     log.note(if settled {
@@ -399,7 +396,7 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     let mut incidents = std::mem::take(&mut f.incidents);
     incidents.append(&mut chaos.incidents);
     Ok(Outcome {
-        records_sent: c.clicks,
+        records_sent: c.run.clicks,
         clicks_sent: truth.clicks,
         duplicates_sent: truth.duplicates,
         diff,
