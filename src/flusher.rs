@@ -25,7 +25,7 @@ use tracing::{debug, info_span, warn, Instrument};
 
 use crate::aggregate::Flush;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::{Secs, SharedCache};
+use crate::dedup::SharedCache;
 use crate::health::Health;
 use crate::pipeline::{Backoff, FatalSignal};
 use crate::sink::{Sink, SinkError, Writer};
@@ -37,8 +37,8 @@ pub struct Job {
     pub flush: Flush,
     /// Rejected records read before this flush was cut: acknowledged before its commit.
     pub dead_letters: Vec<Record>,
-    /// Counted clicks by record time (s): how fresh the counts are once durable.
-    pub freshness: BTreeMap<Secs, u64>,
+    /// Counted clicks by record timestamp: how fresh the counts are once durable.
+    pub freshness: t::ClicksByTenth,
     /// Minute buckets this flush carries, for the member's unflushed count.
     pub buckets: usize,
     /// `Sync` for revokes and shutdown: the commit must be done when the drain ends.
@@ -252,8 +252,8 @@ async fn pause(backoff: &mut Backoff, shared: &Shared) -> bool {
 /// fresh the counts it made visible are.
 async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
     let now = chrono::Utc::now().timestamp_millis() as f64 / 1000.0;
-    for (&secs, &n) in &job.freshness {
-        metrics::histogram!(t::FRESHNESS).record_many((now - f64::from(secs)).max(0.0), n as usize);
+    for (&tenth, &n) in &job.freshness {
+        metrics::histogram!(t::FRESHNESS).record_many(t::age_seconds(now, tenth), n as usize);
     }
     let commits: BTreeMap<i32, i64> = {
         let owned = shared.owned.lock().expect("not poisoned");

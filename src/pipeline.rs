@@ -171,8 +171,8 @@ pub struct Stages {
     dead_letters: bool,
     /// Rejected records since the last cut: their dead letters go with the next flush.
     rejected: Vec<Record>,
-    /// Counted clicks by record time (s) since the last cut.
-    freshness: BTreeMap<Secs, u64>,
+    /// Counted clicks by record timestamp since the last cut.
+    freshness: t::ClicksByTenth,
     /// Cuts of partitions that fell back to private state, written with the next flush.
     carried: Flush,
     pub totals: BatchStats,
@@ -533,8 +533,8 @@ impl Stages {
             };
             if counted.is_some() {
                 stats.counted += 1;
-                if let Some(secs) = i.record.timestamp_ms.and_then(crate::dedup::decide::secs_of_millis) {
-                    *self.freshness.entry(secs).or_default() += 1;
+                if let Some(tenth) = i.record.timestamp_ms.and_then(t::tenth_of_millis) {
+                    *self.freshness.entry(tenth).or_default() += 1;
                 }
             }
             self.agg.observe(p, i.record.offset, counted, pin);

@@ -30,6 +30,22 @@ pub const FLUSH_DURATION: &str = "clickagg_flush_duration_seconds";
 /// Seconds from a counted click's record timestamp until the flush holding it is durable
 /// (from then on `query` sees it).
 pub const FRESHNESS: &str = "clickagg_freshness_seconds";
+/// Counted clicks by record timestamp in tenths of a second, for [`FRESHNESS`]. Whole
+/// seconds (the dedup clock's unit) would make every click look up to a second older
+/// than it is; tenths keep a flush's map to a few entries.
+pub type ClicksByTenth = std::collections::BTreeMap<u64, u64>;
+
+/// The [`ClicksByTenth`] key of a record timestamp (ms); none before the epoch.
+pub fn tenth_of_millis(ms: i64) -> Option<u64> {
+    u64::try_from(ms).ok().map(|ms| ms / 100)
+}
+
+/// Seconds from a [`ClicksByTenth`] key to `now` (Unix seconds); never negative (a
+/// producer clock ahead).
+pub fn age_seconds(now: f64, tenth: u64) -> f64 {
+    (now - tenth as f64 / 10.0).max(0.0)
+}
+
 /// Unix time of the last durable flush that covered a partition.
 pub const LAST_FLUSH: &str = "clickagg_last_flush_timestamp_seconds";
 /// 1 when `/readyz` says ready; computed when `/metrics` is scraped.
@@ -172,6 +188,18 @@ impl RateLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn freshness_is_measured_from_the_record_timestamp_to_a_tenth_of_a_second() {
+        // Stamped 0.9 s into a second, durable 0.2 s later: 0.2 s old, not 1.1 s (as
+        // whole seconds of record time made it).
+        let stamped_ms = 1_700_000_000_900;
+        let tenth = tenth_of_millis(stamped_ms).unwrap();
+        let age = age_seconds(1_700_000_001.1, tenth);
+        assert!((age - 0.2).abs() < 1e-6, "{age}");
+        assert_eq!(tenth_of_millis(-1), None, "before the epoch: no age");
+        assert_eq!(age_seconds(1_000.0, 10_050), 0.0, "a producer clock ahead is not negative");
+    }
 
     #[test]
     fn the_rate_limiter_lets_one_line_through_per_interval_and_counts_the_rest() {

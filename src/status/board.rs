@@ -25,6 +25,7 @@ use crate::click::Minute;
 use crate::config::Settings;
 use crate::dedup::Secs;
 use crate::position::{Scope, Start};
+use crate::telemetry::ClicksByTenth;
 
 /// Minutes of clicks kept for the sparkline.
 const MINUTES: u32 = 60;
@@ -143,7 +144,7 @@ impl StatusBoard {
 
     /// A flush covering `partitions` is durable at `at` (Unix s); `clicks` are the
     /// clicks it counted by record time (s).
-    pub fn flushed(&self, partitions: impl IntoIterator<Item = i32>, clicks: &BTreeMap<Secs, u64>, at: f64) {
+    pub fn flushed(&self, partitions: impl IntoIterator<Item = i32>, clicks: &ClicksByTenth, at: f64) {
         {
             let mut parts = self.partitions.lock().expect("not poisoned");
             for partition in partitions {
@@ -153,7 +154,8 @@ impl StatusBoard {
             }
         }
         let mut minutes = self.minutes.lock().expect("not poisoned");
-        for (&secs, &n) in clicks {
+        for (&tenth, &n) in clicks {
+            let secs = Secs::try_from(tenth / 10).unwrap_or(Secs::MAX);
             *minutes.entry(secs - secs % 60).or_default() += n;
         }
         // Only the last hour is shown; a producer clock far ahead must not grow the map.
@@ -366,7 +368,14 @@ mod tests {
     fn clicks_per_minute_cover_the_last_hour_by_record_time() {
         let b = board();
         let now = 100 * 3600;
-        let clicks = BTreeMap::from([(now - 3600, 7), (now - 3540, 2), (now - 61, 3), (now - 59, 4), (now - 1, 5)]);
+        let tenths = |s: u32| u64::from(s) * 10 + 9; // late in its second: still that second
+        let clicks = BTreeMap::from([
+            (tenths(now - 3600), 7),
+            (tenths(now - 3540), 2),
+            (tenths(now - 61), 3),
+            (tenths(now - 59), 4),
+            (tenths(now - 1), 5),
+        ]);
         b.flushed([], &clicks, f64::from(now));
         let s = b.snapshot(Ok(()), "", f64::from(now));
         let got: Vec<(String, u64)> = s.clicks_per_minute.into_iter().map(|m| (m.minute, m.clicks)).collect();
