@@ -127,7 +127,9 @@ pub struct ProduceArgs {
     /// Records to send (duplicates and malformed records included).
     #[arg(long, default_value_t = 100_000)]
     pub count: u64,
-    /// Records per second; 0 sends as fast as the broker takes them.
+    /// Records per second; 0 sends as fast as the broker takes them. With a rate, no
+    /// record is sent before its simulated send time (its Kafka timestamp): a --start
+    /// ahead of now starts the sends then.
     #[arg(long, default_value_t = 0)]
     pub rate: u64,
     /// Distinct ads; popularity is Zipf-distributed.

@@ -402,6 +402,13 @@ pub async fn send<R: std::borrow::Borrow<Planned>>(
             if due > now {
                 tokio::time::sleep(due - now).await;
             }
+            // Paced like a live producer: not before its simulated send time, so that
+            // with a start ahead of now (set before planning, which takes seconds) a
+            // record's timestamp is when it was sent, which freshness is measured from.
+            let ahead_ms = r.timestamp_ms - chrono::Utc::now().timestamp_millis();
+            if ahead_ms > 0 {
+                tokio::time::sleep(Duration::from_millis(ahead_ms as u64)).await;
+            }
         }
         let mut record = BaseRecord::to(topic).key(r.key.as_bytes()).timestamp(r.timestamp_ms);
         if let Some(p) = r.partition {
