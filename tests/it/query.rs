@@ -377,6 +377,20 @@ fn every_grain(row: &BatchRow) -> Vec<BatchRow> {
         .collect()
 }
 
+/// Every ad on 2026-11-30, bucketed `by`: the day the roll-up tests write.
+fn nov_30(by: By) -> QueryArgs {
+    QueryArgs {
+        from: query::parse_time("2026-11-30").unwrap(),
+        to: query::parse_time("2026-12-01").unwrap(),
+        ads: vec![],
+        by,
+        top: None,
+        format: Format::Table,
+        only_topic: None,
+        print_sql: false,
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
     let env = TestEnv::new("queryversions").await;
@@ -401,24 +415,14 @@ async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
     }
     assert_eq!(raw_and_final_sums(&env).await, (14, 7));
 
-    let args = |by| QueryArgs {
-        from: query::parse_time("2026-11-30").unwrap(),
-        to: query::parse_time("2026-12-01").unwrap(),
-        ads: vec![],
-        by,
-        top: None,
-        format: Format::Table,
-        only_topic: None,
-        print_sql: false,
-    };
     for (by, bucket) in
         [(By::Minute, "2026-11-30T08:00:00Z"), (By::Hour, "2026-11-30T08:00:00Z"), (By::Day, "2026-11-30T00:00:00Z")]
     {
-        let rows = query::query(&sink, &args(by)).await.unwrap();
+        let rows = query::query(&sink, &nov_30(by)).await.unwrap();
         assert_eq!(rows.len(), 1, "{by:?}: {rows:?}");
         assert_eq!((rows[0].ad_id, rows[0].bucket_rfc3339().as_str(), rows[0].clicks), (17, bucket, 7), "{by:?}");
     }
-    let top = query::query(&sink, &QueryArgs { top: Some(1), ..args(By::Day) }).await.unwrap();
+    let top = query::query(&sink, &QueryArgs { top: Some(1), ..nov_30(By::Day) }).await.unwrap();
     assert_eq!(top.iter().map(|r| r.clicks).sum::<u64>(), 7);
     for grain in Grain::ALL {
         sink.execute(&format!("SYSTEM START MERGES {}", table_of(grain).0)).await.unwrap();
@@ -464,16 +468,6 @@ async fn migrate_backfills_the_roll_ups_from_older_minute_rows_once_and_idempote
     assert!(applied.contains(&"backfill of ad_clicks_hour") && applied.contains(&"backfill of ad_clicks_day"));
     assert!(!sink.migrate().await.unwrap().iter().any(|a| a.starts_with("backfill")), "a backfill runs once");
 
-    let args = |by| QueryArgs {
-        from: query::parse_time("2026-11-30").unwrap(),
-        to: query::parse_time("2026-12-01").unwrap(),
-        ads: vec![],
-        by,
-        top: None,
-        format: Format::Table,
-        only_topic: None,
-        print_sql: false,
-    };
     let totals = |rows: Vec<query::BillingRow>| {
         let mut t: BTreeMap<u64, u64> = BTreeMap::new();
         for r in rows {
@@ -484,9 +478,9 @@ async fn migrate_backfills_the_roll_ups_from_older_minute_rows_once_and_idempote
     // ad 7: 3 + 4 + 1 (batch 0) + 6 (batch 1000); ad 8: 9.
     let want: BTreeMap<u64, u64> = [(7, 14), (8, 9)].into();
     for by in [By::Minute, By::Hour, By::Day] {
-        assert_eq!(totals(query::query(&sink, &args(by)).await.unwrap()), want, "{by:?}");
+        assert_eq!(totals(query::query(&sink, &nov_30(by)).await.unwrap()), want, "{by:?}");
     }
-    let hours = query::query(&sink, &args(By::Hour)).await.unwrap();
+    let hours = query::query(&sink, &nov_30(By::Hour)).await.unwrap();
     let ad7: Vec<(String, u64)> =
         hours.iter().filter(|r| r.ad_id == 7).map(|r| (r.bucket_rfc3339(), r.clicks)).collect();
     assert_eq!(ad7, [("2026-11-30T08:00:00Z".to_string(), 13), ("2026-11-30T09:00:00Z".to_string(), 1)]);
@@ -499,6 +493,6 @@ async fn migrate_backfills_the_roll_ups_from_older_minute_rows_once_and_idempote
     sink.insert(&env.topic, &[part], Writer::Member).await.unwrap();
     sink.migrate().await.unwrap();
     for by in [By::Minute, By::Hour, By::Day] {
-        assert_eq!(totals(query::query(&sink, &args(by)).await.unwrap()), want, "{by:?} after a second backfill");
+        assert_eq!(totals(query::query(&sink, &nov_30(by)).await.unwrap()), want, "{by:?} after a second backfill");
     }
 }
