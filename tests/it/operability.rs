@@ -358,6 +358,44 @@ async fn unsafe_setups_are_refused_with_the_setting_to_change() {
 /// The batch size is part of every batch's identity: two members started at once with
 /// different sizes must not both write.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_size_registered_in_the_same_second_by_a_racing_member_wins_or_loses_for_both() {
+    // The interleaving that let two members with different batch sizes both run: A finds
+    // no registration, writes 1000 and reads it back; B, which had also found none,
+    // writes 500 in the same second. The earliest registration wins, ties to the smaller
+    // value: 500. A must not have passed on a read made before B's write landed.
+    let env = TestEnv::new("batchreg").await;
+    let sink = env.sink();
+    sink.migrate().await.unwrap();
+    let topic = env.topic.clone();
+    let a = {
+        let (sink, topic) = (sink.clone(), topic.clone());
+        tokio::spawn(async move { sink.register_batch_offsets(&topic, 1000).await.is_ok() })
+    };
+    // B's write, the moment A's row is there, stamped with A's second.
+    let second = wait_until("A's registration is written", Duration::from_secs(10), || async {
+        let rows = sink
+            .client()
+            .query("SELECT toUInt32(registered_at) FROM clickagg_topics WHERE topic = ?")
+            .bind(&topic)
+            .fetch_all::<u32>()
+            .await
+            .map_err(|e| e.to_string())?;
+        rows.first().copied().ok_or_else(|| "no row yet".to_string())
+    })
+    .await;
+    let literal = topic.replace('\\', "\\\\").replace('\'', "\\'");
+    sink.execute(&format!(
+        "INSERT INTO clickagg_topics (topic, batch_offsets, registered_at) VALUES ('{literal}', 500, toDateTime({second}))"
+    ))
+    .await
+    .unwrap();
+    let b = sink.register_batch_offsets(&topic, 500).await.is_ok();
+    let a = a.await.unwrap();
+    assert!(b, "the earliest registration (a tie, the smaller value) passes");
+    assert!(!a, "A refuses: its read-back must see a write that sorts first and landed in its second");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn of_two_members_started_at_once_with_different_batch_sizes_only_one_runs() {
     let env = TestEnv::new("batchrace").await;
     let (records, _) = env.plan(Spec { count: 1_000, seed: 49, ..Spec::default() });
