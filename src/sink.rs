@@ -284,6 +284,12 @@ pub struct LastFlush {
 pub type Billing = BTreeMap<BucketKey, u64>;
 
 /// A handle on one ClickHouse database. Cheap to clone.
+/// How old (server seconds) the earliest batch-size registration must be before a
+/// member decides on it: registrations have whole-second times, so one written in the
+/// same second by a racing member is visible a second later, plus a second for its
+/// insert to complete.
+pub const REGISTRATION_SETTLE_SECS: i64 = 2;
+
 #[derive(Clone)]
 pub struct Sink {
     client: Client,
@@ -517,33 +523,45 @@ impl Sink {
     /// Records `batch_offsets` for `topic`, or checks it against the recorded value.
     ///
     /// Two members starting at once with different values must not both pass: each
-    /// writes its value first and then reads every registration back, and the earliest
-    /// one (ties broken by the smaller value) is the topic's; anyone else refuses.
+    /// writes its value first (when it finds none) and then reads every registration
+    /// back, and the earliest one (ties broken by the smaller value) is the topic's;
+    /// anyone else refuses. The earliest is decided only once it is
+    /// [`REGISTRATION_SETTLE_SECS`] old by the server's clock: a racing member's write
+    /// that sorts before it (the same second, a smaller value) has landed by then. Read
+    /// at once, a member could pass on its own row alone and the racer on its smaller one.
     pub async fn register_batch_offsets(&self, topic: &str, batch_offsets: u64) -> Result<(), SinkError> {
         #[derive(Row, Deserialize)]
         struct R {
             batch_offsets: u64,
+            age_secs: i64,
         }
         let registered = || async {
             self.timed(
                 self.client
                     .query(
-                        "SELECT batch_offsets FROM clickagg_topics WHERE topic = ? \
-                         ORDER BY registered_at, batch_offsets LIMIT 1",
+                        "SELECT batch_offsets, toInt64(now()) - toInt64(registered_at) AS age_secs \
+                         FROM clickagg_topics WHERE topic = ? ORDER BY registered_at, batch_offsets LIMIT 1",
                     )
                     .bind(topic)
                     .fetch_all::<R>(),
             )
             .await
         };
-        if registered().await?.is_empty() {
+        let mut first = registered().await?.into_iter().next();
+        if first.is_none() {
             let sql = format!(
                 "INSERT INTO clickagg_topics (topic, batch_offsets) VALUES ({}, {batch_offsets})",
                 quote_literal(topic)
             );
             self.execute(&sql).await?;
+            first = registered().await?.into_iter().next();
         }
-        match registered().await?.first() {
+        while let Some(r) = first.as_ref().filter(|r| r.age_secs < REGISTRATION_SETTLE_SECS) {
+            let wait = (REGISTRATION_SETTLE_SECS - r.age_secs.max(0)) as u64;
+            tokio::time::sleep(Duration::from_secs(wait)).await;
+            first = registered().await?.into_iter().next();
+        }
+        match first {
             Some(r) if r.batch_offsets == batch_offsets => Ok(()),
             Some(r) => Err(SinkError::Fatal(format!(
                 "topic {topic:?} is aggregated into {}.{TABLE} with batch_offsets = {}; \
