@@ -389,9 +389,13 @@ pub async fn send<R: std::borrow::Borrow<Planned>>(
 ) -> Result<(), SendError> {
     source::ensure_topic(k, topic, partitions).await?;
     let deliveries = Deliveries::default();
-    let producer: ThreadedProducer<Deliveries> = source::producer_config(k)
-        .set("queue.buffering.max.messages", "500000")
-        .create_with_context(deliveries.clone())?;
+    let mut config = source::producer_config(k);
+    config.set("queue.buffering.max.messages", "500000");
+    let delivery_timeout = config
+        .get("message.timeout.ms")
+        .and_then(|ms| ms.parse::<u64>().ok())
+        .map_or(Duration::from_secs(300), Duration::from_millis);
+    let producer: ThreadedProducer<Deliveries> = config.create_with_context(deliveries.clone())?;
     let started = Instant::now();
     let mut sent = 0u64;
     for r in records {
@@ -432,8 +436,14 @@ pub async fn send<R: std::borrow::Borrow<Planned>>(
         }
         sent += 1;
     }
+    // Wait as long as librdkafka may still deliver: each record ends acknowledged or
+    // failed within `message.timeout.ms` (300 s by default), and after a broker restart
+    // the idempotent producer can take minutes to re-establish its sequence. A shorter
+    // flush gave up on records that were still being retried.
     let flush = producer.clone();
-    tokio::task::spawn_blocking(move || flush.flush(Duration::from_secs(120))).await.expect("flush task")?;
+    tokio::task::spawn_blocking(move || flush.flush(delivery_timeout + Duration::from_secs(10)))
+        .await
+        .expect("flush task")?;
     progress(sent);
     let failed = deliveries.failed.load(Ordering::Relaxed);
     if failed > 0 {
