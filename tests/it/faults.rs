@@ -107,6 +107,32 @@ async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_the_generator_could_not_deliver_through_a_broker_outage_are_sent_again() {
+    // A broker restart can strand a producer's records until `message.timeout.ms` (CI
+    // once saw a flush give up on them). The generator's ground truth holds every
+    // planned record, so it sends the failed ones again; a redelivery is one more
+    // producer retry, which the pipeline deduplicates.
+    let stack = PrivateStack::start("kafka-resend", &["kafka"]).await;
+    let env = TestEnv::with_stack("kafkaresend", &stack).await;
+    let (records, truth) = env.plan(Spec { count: 20_000, seed: 35, ..Spec::default() });
+    let mut kafka = env.settings().kafka;
+    kafka.properties.insert("message.timeout.ms".into(), clickagg::config::Secret::new("3000"));
+    let topic = env.topic.clone();
+    let producer =
+        tokio::spawn(async move { clickagg::produce::send(&kafka, &topic, 4, &records, Some(2_000), |_| {}).await });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stack.down("kafka").await;
+    // Longer than message.timeout.ms: the records queued meanwhile fail and are sent again.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    stack.up("kafka").await;
+    producer.await.unwrap().expect("every record delivered, the failed ones on a later round");
+
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_past_the_drain_timeout_exits_non_zero_without_committing_unflushed_work() {
     let stack = PrivateStack::start("drain-timeout", &["clickhouse"]).await;
     let mut env = TestEnv::with_stack("draintimeout", &stack).await;
