@@ -18,7 +18,6 @@
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,7 +26,7 @@ use rand::{Rng, SeedableRng};
 use rand_distr::{Distribution, Zipf};
 use rdkafka::client::ClientContext;
 use rdkafka::error::KafkaError;
-use rdkafka::message::DeliveryResult;
+use rdkafka::message::{DeliveryResult, Message};
 use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 
@@ -347,11 +346,13 @@ impl Iterator for Generator {
     }
 }
 
-/// Counts delivery failures; the generator fails if any record was not acknowledged,
-/// since the ground truth would then be wrong.
+/// Keeps the records whose delivery failed, to send them again: the ground truth holds
+/// every planned record, so each must reach the topic at least once. A record that
+/// timed out may have been written after all; sent again, it is one more producer
+/// retry, which the pipeline deduplicates (a rejected record gets a second dead letter).
 #[derive(Default, Clone)]
 struct Deliveries {
-    failed: Arc<AtomicU64>,
+    failed: Arc<std::sync::Mutex<Vec<Planned>>>,
     first_error: Arc<std::sync::Mutex<Option<String>>>,
 }
 
@@ -360,12 +361,22 @@ impl ClientContext for Deliveries {}
 impl ProducerContext for Deliveries {
     type DeliveryOpaque = ();
     fn delivery(&self, result: &DeliveryResult<'_>, _: ()) {
-        if let Err((e, _)) = result {
-            self.failed.fetch_add(1, Ordering::Relaxed);
+        if let Err((e, msg)) = result {
             self.first_error.lock().expect("not poisoned").get_or_insert_with(|| e.to_string());
+            let again = Planned {
+                key: String::from_utf8_lossy(msg.key().unwrap_or_default()).into_owned(),
+                payload: msg.payload().unwrap_or_default().to_vec(),
+                timestamp_ms: msg.timestamp().to_millis().unwrap_or_default(),
+                kind: Kind::Click, // not read when sending
+                partition: Some(msg.partition()),
+            };
+            self.failed.lock().expect("not poisoned").push(again);
         }
     }
 }
+
+/// How many times records whose delivery failed are sent again before `send` gives up.
+const SEND_ROUNDS: u32 = 5;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
@@ -390,7 +401,11 @@ pub async fn send<R: std::borrow::Borrow<Planned>>(
     source::ensure_topic(k, topic, partitions).await?;
     let deliveries = Deliveries::default();
     let mut config = source::producer_config(k);
-    config.set("queue.buffering.max.messages", "500000");
+    // A record librdkafka cannot deliver within a minute (a broker restart can strand a
+    // few until this timeout) fails and is sent again, rather than holding the flush for
+    // the default five minutes; `kafka.properties` may set another value.
+    config.set("queue.buffering.max.messages", "500000").set("message.timeout.ms", "60000");
+    let config = source::with_properties(config, k);
     let delivery_timeout = config
         .get("message.timeout.ms")
         .and_then(|ms| ms.parse::<u64>().ok())
@@ -414,43 +429,55 @@ pub async fn send<R: std::borrow::Borrow<Planned>>(
                 tokio::time::sleep(Duration::from_millis(ahead_ms as u64)).await;
             }
         }
-        let mut record = BaseRecord::to(topic).key(r.key.as_bytes()).timestamp(r.timestamp_ms);
-        if let Some(p) = r.partition {
-            record = record.partition(p);
-        }
-        if !r.payload.is_empty() {
-            record = record.payload(r.payload.as_slice());
-        }
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                    record = back;
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                Err((e, _)) => return Err(e.into()),
-            }
-        }
+        enqueue(&producer, topic, r).await?;
         if sent.is_multiple_of(10_000) {
             progress(sent);
         }
         sent += 1;
     }
-    // Wait as long as librdkafka may still deliver: each record ends acknowledged or
-    // failed within `message.timeout.ms` (300 s by default), and after a broker restart
-    // the idempotent producer can take minutes to re-establish its sequence. A shorter
-    // flush gave up on records that were still being retried.
-    let flush = producer.clone();
-    tokio::task::spawn_blocking(move || flush.flush(delivery_timeout + Duration::from_secs(10)))
-        .await
-        .expect("flush task")?;
-    progress(sent);
-    let failed = deliveries.failed.load(Ordering::Relaxed);
-    if failed > 0 {
-        let first = deliveries.first_error.lock().expect("not poisoned").clone().unwrap_or_default();
-        return Err(SendError::Undelivered { failed, first });
+    // Each round waits as long as librdkafka may still deliver (every record ends
+    // acknowledged or failed within `message.timeout.ms`), then sends the failed again.
+    for round in 1..=SEND_ROUNDS {
+        let flush = producer.clone();
+        tokio::task::spawn_blocking(move || flush.flush(delivery_timeout + Duration::from_secs(10)))
+            .await
+            .expect("flush task")?;
+        let failed = std::mem::take(&mut *deliveries.failed.lock().expect("not poisoned"));
+        if failed.is_empty() {
+            progress(sent);
+            return Ok(());
+        }
+        if round == SEND_ROUNDS {
+            let first = deliveries.first_error.lock().expect("not poisoned").clone().unwrap_or_default();
+            return Err(SendError::Undelivered { failed: failed.len() as u64, first });
+        }
+        tracing::warn!(records = failed.len(), round, "records not acknowledged; sending them again");
+        for r in &failed {
+            enqueue(&producer, topic, r).await?;
+        }
     }
-    Ok(())
+    unreachable!("the last round returns")
+}
+
+/// Hands one record to the producer, waiting while its queue is full.
+async fn enqueue(producer: &ThreadedProducer<Deliveries>, topic: &str, r: &Planned) -> Result<(), SendError> {
+    let mut record = BaseRecord::to(topic).key(r.key.as_bytes()).timestamp(r.timestamp_ms);
+    if let Some(p) = r.partition {
+        record = record.partition(p);
+    }
+    if !r.payload.is_empty() {
+        record = record.payload(r.payload.as_slice());
+    }
+    loop {
+        match producer.send(record) {
+            Ok(()) => return Ok(()),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                record = back;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Err((e, _)) => return Err(e.into()),
+        }
+    }
 }
 
 #[cfg(test)]

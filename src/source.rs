@@ -162,7 +162,7 @@ pub fn client_config(k: &KafkaSettings) -> ClientConfig {
 
 /// Applies the pass-through `kafka.properties` last, so an operator's explicit choice
 /// wins over every default set here.
-fn with_properties(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
+pub(crate) fn with_properties(mut c: ClientConfig, k: &KafkaSettings) -> ClientConfig {
     for (key, value) in &k.properties {
         c.set(key, value.expose());
     }
