@@ -283,13 +283,13 @@ pub struct LastFlush {
 /// Billing counts per bucket, as read through `FINAL`.
 pub type Billing = BTreeMap<BucketKey, u64>;
 
-/// A handle on one ClickHouse database. Cheap to clone.
 /// How old (server seconds) the earliest batch-size registration must be before a
 /// member decides on it: registrations have whole-second times, so one written in the
 /// same second by a racing member is visible a second later, plus a second for its
 /// insert to complete.
 pub const REGISTRATION_SETTLE_SECS: i64 = 2;
 
+/// A handle on one ClickHouse database. Cheap to clone.
 #[derive(Clone)]
 pub struct Sink {
     client: Client,
