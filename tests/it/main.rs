@@ -3,6 +3,7 @@
 //! its own topic, group, Redis prefix and ClickHouse database.
 
 mod backfill;
+mod cache_trust;
 mod dead_letters;
 mod decisions;
 mod dedup_cache;

@@ -125,6 +125,22 @@ impl PrivateStack {
         self.must("down", service).await;
     }
 
+    /// Restarts this stack's Redis with none of its data: what a Redis without
+    /// persistence, or a failover to an empty replica, does to the dedup cache.
+    pub async fn restart_redis_empty(&self) {
+        self.down("redis").await;
+        let data = self.dir.join("redis");
+        for name in ["appendonlydir", "appendonly.aof", "dump.rdb"] {
+            let path = data.join(name);
+            if path.is_dir() {
+                std::fs::remove_dir_all(&path).expect("remove the Redis AOF directory");
+            } else if path.exists() {
+                std::fs::remove_file(&path).expect("remove a Redis data file");
+            }
+        }
+        self.up("redis").await;
+    }
+
     /// Runs Kafka's `kafka-acls` tool against this stack's broker (`scripts/stack acls`,
     /// as the super user; the broker needs `KAFKA_AUTHORIZER=1`); asserts success.
     pub async fn kafka_acls(&self, args: &[&str]) {

@@ -1,0 +1,312 @@
+//! The dedup cache is only a cache: whatever happens to it while members run — lost,
+//! restarted empty, read under other settings, bypassed by a lagging group — and
+//! whatever junk a producer stamps on a record, the counts stay the definition's
+//! (README, "What counts"). Every test checks the generator's ground truth.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use clickagg::aggregate::BucketKey;
+use clickagg::click::Minute;
+use clickagg::produce::{Kind, Planned, Spec};
+use rdkafka::producer::Producer;
+
+use crate::helpers::{read_dead_letters, wait_until, PrivateStack, TestEnv};
+
+const CONVERGE: Duration = Duration::from_secs(240);
+
+/// Steady traffic in which retries of earlier clicks keep arriving, 30 % of them under
+/// another Kafka key (so on another partition), as in the issue's reproduction.
+fn retries_and_copies(count: u64, seed: u64) -> Spec {
+    Spec { count, seed, duplicate_ratio: 0.2, cross_partition_ratio: 0.3, ..Spec::default() }
+}
+
+/// Waits until the member has taken in at least `n` records.
+async fn consumed_at_least(member: &crate::helpers::Member, n: u64) {
+    wait_until(&format!("{n} records consumed"), Duration::from_secs(120), || async {
+        let got = member.metric("clickagg_records_consumed_total", &[]).await as u64;
+        if got >= n {
+            Ok(())
+        } else {
+            Err(format!("{got} consumed"))
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_dedup_key_deleted_mid_run_while_retries_and_copies_arrive_counts_exactly() {
+    let env = TestEnv::new("keyslost").await;
+    let (records, truth) = env.plan(retries_and_copies(60_000, 161));
+    let producer = env.spawn_producer(&records, 4, 4_000);
+    let mut member = env.spawn_member("m");
+    consumed_at_least(&member, 25_000).await;
+    // What a Redis restarted without persistence, a failover to an empty replica or a
+    // FLUSHALL does to a running member.
+    assert!(env.delete_dedup_keys().await > 0, "the member kept dedup state in Redis");
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_without_persistence_mid_run_counts_exactly() {
+    let stack = PrivateStack::start("redis-amnesia", &["redis"]).await;
+    let env = TestEnv::with_stack("amnesia", &stack).await;
+    let (records, truth) = env.plan(retries_and_copies(60_000, 162));
+    let producer = env.spawn_producer(&records, 4, 4_000);
+    let mut member = env.spawn_member("m");
+    consumed_at_least(&member, 25_000).await;
+    stack.restart_redis_empty().await;
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// The first half of a generated topic counted live under the default settings, then the
+/// second half (whose retries repeat clicks of the first) produced while no member runs.
+async fn half_counted(name: &str, seed: u64) -> (TestEnv, BTreeMap<BucketKey, u64>) {
+    let env = TestEnv::new(name).await;
+    let (records, truth) = env.plan(retries_and_copies(30_000, seed));
+    let (first, second) = records.split_at(records.len() / 2);
+    env.send(first, 4, None).await;
+    let mut m = env.spawn_member("before");
+    consumed_at_least(&m, first.len() as u64 * 9 / 10).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+    env.send(second, 4, None).await;
+    (env, truth.counts)
+}
+
+/// A setting that shapes decisions, changed by an operator: refused at start, naming the
+/// setting and the recorded value; then changed through `clickagg settings change`, after
+/// which the group counts exactly.
+async fn a_changed_setting_is_refused_then_exact_after_the_procedure(name: &str, seed: u64, var: &str, value: &str, setting: &str) {
+    let (env, truth) = half_counted(name, seed).await;
+    let changed = [(var, value)];
+    let mut refused = env.spawn("changed", &["run"], &changed);
+    let code = refused.wait(Duration::from_secs(120)).await;
+    let out = refused.output();
+    assert_eq!(code, 1, "a member with another {setting} must refuse to start:\n{}", refused.tail(30));
+    assert!(out.contains(setting), "the refusal names {setting}:\n{}", refused.tail(30));
+
+    let mut change = env.spawn("change", &["settings", "change"], &changed);
+    assert_eq!(change.wait(Duration::from_secs(120)).await, 0, "{}", change.output());
+    let mut after = env.spawn("after", &["run"], &changed);
+    env.assert_counts_converge(&truth, CONVERGE).await;
+    assert_eq!(after.terminate(Duration::from_secs(30)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_restarted_with_another_fingerprint_key_is_refused_and_exact_after_the_change_procedure() {
+    a_changed_setting_is_refused_then_exact_after_the_procedure(
+        "rekey",
+        163,
+        "CLICKAGG__DEDUP__FINGERPRINT_KEY",
+        "a-new-secret",
+        "dedup.fingerprint_key",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_restarted_with_other_shards_is_refused_and_exact_after_the_change_procedure() {
+    a_changed_setting_is_refused_then_exact_after_the_procedure(
+        "reshard",
+        164,
+        "CLICKAGG__DEDUP__SHARDS",
+        "8192",
+        "dedup.shards",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_started_on_history_older_than_max_record_lag_counts_cross_partition_copies_once() {
+    let mut env = TestEnv::new("lagging").await;
+    env.extra_env.extend([
+        ("CLICKAGG__DEDUP__WINDOW".to_string(), "20m".to_string()),
+        ("CLICKAGG__DEDUP__MAX_RECORD_LAG".to_string(), "1m".to_string()),
+        ("CLICKAGG__VALIDATION__MAX_LATENESS".to_string(), "15m".to_string()),
+    ]);
+    // 90 minutes of history, sent before any member runs: every partition lags far more
+    // than max_record_lag when the group starts.
+    let spec = Spec {
+        count: 8_000,
+        seed: 165,
+        span: Duration::from_secs(90 * 60),
+        late_ratio: 0.0,
+        ..retries_and_copies(0, 0)
+    };
+    let (records, truth) = env.plan(spec);
+    assert!(records.iter().any(|r| r.key.contains("#copy")), "the history holds copies under other keys");
+    env.send(&records, 4, None).await;
+    let mut a = env.spawn_member("a");
+    let mut b = env.spawn_member("b");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// A valid click on `partition`, stamped `ts_ms` as event and record time.
+fn click(id: &str, ad_id: u64, ts_ms: i64, partition: i32) -> Planned {
+    Planned {
+        key: id.to_string(),
+        payload: format!(r#"{{"click_id":"{id}","ad_id":{ad_id},"ts":{ts_ms}}}"#).into_bytes(),
+        timestamp_ms: ts_ms,
+        kind: Kind::Click,
+        partition: Some(partition),
+    }
+}
+
+fn bucket(ad_id: u64, ts_ms: i64) -> BucketKey {
+    BucketKey { ad_id, minute: Minute::from_millis(ts_ms).unwrap() }
+}
+
+/// 2100-01-01T00:00:00Z.
+const YEAR_2100_MS: i64 = 4_102_444_800_000;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_stamped_in_2100_then_ordinary_traffic_counts_exactly_and_the_cache_empties_after_the_window() {
+    let mut env = TestEnv::new("year2100").await;
+    env.extra_env.extend([
+        ("CLICKAGG__DEDUP__WINDOW".to_string(), "60s".to_string()),
+        ("CLICKAGG__DEDUP__MAX_RECORD_LAG".to_string(), "1m".to_string()),
+        ("CLICKAGG__VALIDATION__MAX_LATENESS".to_string(), "30s".to_string()),
+    ]);
+    // A topic that accepts any timestamp, as a Kafka 3.x broker's does by default.
+    env.create_topic(2, &[("message.timestamp.after.max.ms", "9223372036854775807")]).await;
+    let t0 = chrono::Utc::now().timestamp_millis() - 20_000;
+    let mut records: Vec<Planned> = (0..200).map(|i| click(&format!("before-{i}"), 1, t0 + i, 0)).collect();
+    // The junk record: a click whose Kafka timestamp says 2100. Its event time lies a
+    // century behind that, so it is rejected; rejected or not, it must not move the clock.
+    records.push(Planned { timestamp_ms: YEAR_2100_MS, ..click("junk", 9, t0 + 500, 0) });
+    // Ordinary traffic, with retries of clicks from before the junk record on both partitions.
+    records.extend((0..200).map(|i| click(&format!("after-{i}"), 2, t0 + 1_000 + i, 0)));
+    records.extend((0..100).map(|i| click(&format!("before-{i}"), 1, t0 + 2_000 + i, 0)));
+    records.extend((0..200).map(|i| click(&format!("other-{i}"), 3, t0 + 1_000 + i, 1)));
+    env.send(&records, 2, None).await;
+    let mut expected = BTreeMap::new();
+    for (ad, ts) in [(1, t0), (2, t0 + 1_000), (3, t0 + 1_000)] {
+        *expected.entry(bucket(ad, ts)).or_insert(0) += 200;
+    }
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&expected, CONVERGE).await;
+    // Its dead letter was accepted, with the original timestamp kept in a header.
+    let letters = read_dead_letters(&env, 1).await;
+    assert_eq!(letters.len(), 1, "one dead letter, the junk record's");
+    assert!(
+        letters[0].headers.get("clickagg-original-timestamp").is_some_and(|v| v == &YEAR_2100_MS.to_string()),
+        "{:?}",
+        letters[0].headers
+    );
+    // No entry outlives the window (plus the lag the sweeper allows and one sweep cycle).
+    wait_until("the dedup entries are swept", Duration::from_secs(300), || async {
+        let entries = env.dedup_entries().await;
+        if entries == 0 {
+            Ok(())
+        } else {
+            Err(format!("{entries} entries left"))
+        }
+    })
+    .await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_transaction_stamped_30_days_ahead_then_kill9_and_a_restart_counts_exactly() {
+    let mut env = TestEnv::new("abortedahead").await;
+    env.batch_offsets = 100;
+    env.create_topic(2, &[("message.timestamp.after.max.ms", "9223372036854775807")]).await;
+    let t0 = chrono::Utc::now().timestamp_millis() - 60_000;
+    let first: Vec<Planned> = (0..300).map(|i| click(&format!("c-{i}"), 1, t0 + i, (i % 2) as i32)).collect();
+    env.send(&first, 2, None).await;
+    // A transaction of clicks stamped 30 days ahead, aborted: a read_committed reader never
+    // sees it, but the broker's time index does.
+    let ahead = t0 + 30 * 86_400_000;
+    env.produce_aborted(&(0..50).map(|i| click(&format!("aborted-{i}"), 9, ahead + i, 0)).collect::<Vec<_>>())
+        .await;
+    // More clicks after it, so that the committed boundary passes the aborted records.
+    let more: Vec<Planned> = (0..300).map(|i| click(&format!("m-{i}"), 3, t0 + 1_000 + i, (i % 2) as i32)).collect();
+    env.send(&more, 2, None).await;
+    let mut m = env.spawn_member("first");
+    let expected_first = BTreeMap::from([(bucket(1, t0), 300), (bucket(3, t0 + 1_000), 300)]);
+    env.assert_counts_converge(&expected_first, CONVERGE).await;
+    wait_until("partition 0 committed past the aborted records", Duration::from_secs(60), || async {
+        let committed = env.committed_offsets().await.get(&0).copied().unwrap_or(-1);
+        if committed >= 300 {
+            Ok(())
+        } else {
+            Err(format!("committed {committed}"))
+        }
+    })
+    .await;
+    m.kill9().await;
+    // Retries of every earlier click and new clicks: after the restart the partition clock
+    // must be where the committed records left it, not 30 days ahead.
+    let mut second: Vec<Planned> = (0..300).map(|i| click(&format!("c-{i}"), 1, t0 + 5_000 + i, (i % 2) as i32)).collect();
+    second.extend((0..100).map(|i| click(&format!("n-{i}"), 2, t0 + 5_000 + i, (i % 2) as i32)));
+    env.send(&second, 2, None).await;
+    let mut restarted = env.spawn_member("restarted");
+    let expected = BTreeMap::from([(bucket(1, t0), 300), (bucket(3, t0 + 1_000), 300), (bucket(2, t0 + 5_000), 100)]);
+    env.assert_counts_converge(&expected, CONVERGE).await;
+    assert_eq!(restarted.terminate(Duration::from_secs(30)).await, 0);
+}
+
+impl TestEnv {
+    /// Creates the test's topic with `partitions` partitions and topic-level `configs`.
+    pub async fn create_topic(&self, partitions: i32, configs: &[(&str, &str)]) {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().expect("admin client");
+        let mut topic = NewTopic::new(&self.topic, partitions, TopicReplication::Fixed(1));
+        for (k, v) in configs {
+            topic = topic.set(k, v);
+        }
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        let results = admin.create_topics([&topic], &opts).await.expect("create topic");
+        for r in results {
+            r.expect("topic created");
+        }
+    }
+
+    /// Produces `records` in one transaction and aborts it.
+    pub async fn produce_aborted(&self, records: &[Planned]) {
+        let (brokers, topic, records) = (self.brokers.clone(), self.topic.clone(), records.to_vec());
+        tokio::task::spawn_blocking(move || {
+            let p: rdkafka::producer::BaseProducer = rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", &brokers)
+                .set("transactional.id", format!("{topic}-aborted"))
+                .create()
+                .expect("transactional producer");
+            let t = Duration::from_secs(30);
+            p.init_transactions(t).expect("init transactions");
+            p.begin_transaction().expect("begin");
+            for r in &records {
+                let mut rec = rdkafka::producer::BaseRecord::to(&topic)
+                    .key(r.key.as_bytes())
+                    .payload(&r.payload)
+                    .timestamp(r.timestamp_ms);
+                if let Some(part) = r.partition {
+                    rec = rec.partition(part);
+                }
+                p.send(rec).map_err(|(e, _)| e).expect("send");
+            }
+            p.flush(t).expect("flush");
+            p.abort_transaction(t).expect("abort");
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Dedup entries held in Redis for this test's topic (fields of its shard hashes).
+    pub async fn dedup_entries(&self) -> u64 {
+        let mut conn = self.redis().await;
+        let mut n = 0;
+        for key in self.dedup_keys().await.into_iter().filter(|k| k.contains(":s:")) {
+            let len: u64 = redis::cmd("HLEN").arg(&key).query_async(&mut conn).await.expect("HLEN");
+            n += len;
+        }
+        n
+    }
+}
