@@ -12,6 +12,7 @@
 //! | `clickagg-detail` | a human explanation (at most 256 bytes) |
 //! | `clickagg-source-topic` / `-partition` / `-offset` | the record's position |
 //! | `clickagg-source-timestamp` | the record's Kafka timestamp (ms), if any |
+//! | `clickagg-original-timestamp` | the record's Kafka timestamp (ms), when the dead-letter topic refused it (see below) |
 //! | `clickagg-origin` | `run` or `replay` |
 //! | `clickagg-payload-omitted` / `-headers-omitted` / `-key-omitted` | the size in bytes of a part of the record left out |
 //!
@@ -22,6 +23,13 @@
 //! topic at the position the headers give (until retention deletes it). Should the
 //! broker hold the dead-letter topic to a smaller `max.message.bytes`, the letters it
 //! refuses are sent again with none of the record's parts.
+//!
+//! **Timestamps.** A dead letter keeps the record's Kafka timestamp. A topic refuses
+//! timestamps too far ahead of the broker's clock (Kafka 4's
+//! `message.timestamp.after.max.ms`, one hour by default) or behind it, while the
+//! source topic may have accepted them: a letter refused with `InvalidTimestamp` is sent
+//! again stamped with the current time, the original in `clickagg-original-timestamp`.
+//! A record stamped in the year 2100 gets its dead letter like any other.
 //!
 //! **Errors.** A send that no retry can fix — no WRITE permission on the topic, failed
 //! authentication, an untrusted broker, a letter the broker refuses even without the
@@ -50,6 +58,7 @@ pub const ORIGIN: &str = "clickagg-origin";
 pub const PAYLOAD_OMITTED: &str = "clickagg-payload-omitted";
 pub const HEADERS_OMITTED: &str = "clickagg-headers-omitted";
 pub const KEY_OMITTED: &str = "clickagg-key-omitted";
+pub const ORIGINAL_TIMESTAMP: &str = "clickagg-original-timestamp";
 
 /// How long one dead letter may wait for its acknowledgement before the send fails.
 const DELIVERY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -153,12 +162,23 @@ impl DeadLetters {
     pub async fn send(&self, records: &[&Record]) -> Result<usize, DeadLetterError> {
         let rejected: Vec<(&Record, &Rejected)> =
             records.iter().filter_map(|r| r.outcome.as_ref().err().map(|x| (*r, &**x))).collect();
-        let mut pending = rejected.clone();
-        // First within the producer's limit; then, for letters the broker still found too
-        // large (a topic limit below the producer's), with none of the record's parts.
-        for budget in [self.max_bytes, 0] {
-            let letters: Vec<Letter> =
-                pending.iter().map(|(r, x)| Letter::new(r, x, &self.source_topic, self.origin, budget)).collect();
+        // Each letter first whole and with its record's timestamp; then, for those the
+        // broker refused, without the record's parts (a topic limit below the producer's)
+        // or stamped now (a timestamp the topic does not accept).
+        let mut pending: Vec<((&Record, &Rejected), Form)> =
+            rejected.iter().map(|&item| (item, Form { budget: self.max_bytes, restamp: false })).collect();
+        while !pending.is_empty() {
+            let now_ms = chrono::Utc::now().timestamp_millis();
+            let letters: Vec<Letter> = pending
+                .iter()
+                .map(|((r, x), form)| {
+                    let mut l = Letter::new(r, x, &self.source_topic, self.origin, form.budget);
+                    if form.restamp {
+                        l.restamp(now_ms);
+                    }
+                    l
+                })
+                .collect();
             let deliveries = letters.iter().map(|l| self.producer.send(l.record(&self.topic), DELIVERY_TIMEOUT));
             // librdkafka fails each delivery after `message.timeout.ms`; this outer bound
             // only guards against an acknowledgement that never comes at all.
@@ -167,25 +187,30 @@ impl DeadLetters {
                 .map_err(|_| {
                 DeadLetterError::classify(&self.topic, KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut))
             })?;
-            let mut too_large = Vec::new();
-            for (item, result) in pending.iter().zip(results) {
+            let mut again = Vec::new();
+            for ((item, form), result) in pending.iter().zip(results) {
                 match result.map_err(|(e, _)| e) {
                     Ok(_) => {}
-                    Err(e) if budget > 0 && e.rdkafka_error_code() == Some(RDKafkaErrorCode::MessageSizeTooLarge) => {
-                        too_large.push(*item)
-                    }
-                    Err(e) => return Err(DeadLetterError::classify(&self.topic, e)),
+                    Err(e) => match (e.rdkafka_error_code(), form) {
+                        (Some(RDKafkaErrorCode::MessageSizeTooLarge), f) if f.budget > 0 => {
+                            again.push((*item, Form { budget: 0, ..*f }))
+                        }
+                        (Some(RDKafkaErrorCode::InvalidTimestamp), f) if !f.restamp => {
+                            again.push((*item, Form { restamp: true, ..*f }))
+                        }
+                        _ => return Err(DeadLetterError::classify(&self.topic, e)),
+                    },
                 }
             }
-            if too_large.is_empty() {
-                break;
+            if !again.is_empty() {
+                tracing::warn!(
+                    letters = again.len(),
+                    topic = %self.topic,
+                    "the broker refused dead letters (too large, or a timestamp the topic does not accept); \
+                     sending them without the records' parts or stamped now"
+                );
             }
-            tracing::warn!(
-                letters = too_large.len(),
-                topic = %self.topic,
-                "the broker refused dead letters as too large; sending them without the records' parts"
-            );
-            pending = too_large;
+            pending = again;
         }
         // Counted here, once all are acknowledged: a set retried after an error is
         // counted when it finally goes through.
@@ -194,6 +219,13 @@ impl DeadLetters {
         }
         Ok(rejected.len())
     }
+}
+
+/// How a dead letter is sent: its size budget, and whether it is stamped now.
+#[derive(Debug, Clone, Copy)]
+struct Form {
+    budget: usize,
+    restamp: bool,
 }
 
 /// The producer's `message.max.bytes`, the most a dead letter may weigh.
@@ -248,6 +280,13 @@ impl<'a> Letter<'a> {
             }
         }
         l
+    }
+
+    /// Stamps the letter `now_ms`, keeping the record's own timestamp in a header.
+    fn restamp(&mut self, now_ms: i64) {
+        if let Some(ts) = self.timestamp_ms.replace(now_ms) {
+            self.headers.push((ORIGINAL_TIMESTAMP.to_string(), ts.to_string().into_bytes()));
+        }
     }
 
     /// Says in a header that a part of the record of `bytes` bytes was left out.
@@ -358,6 +397,14 @@ mod tests {
         let l = letter(&r, &x, 0);
         assert!(l.payload.is_none() && l.key.is_none() && l.source_headers.is_empty());
         assert_eq!(header(&l, REASON), Some("oversized"));
+    }
+
+    #[test]
+    fn a_restamped_letter_carries_the_time_now_and_the_original_in_a_header() {
+        let (r, x) = rejected(1, 1, 1);
+        let mut l = letter(&r, &x, LIMIT);
+        l.restamp(1_000_000);
+        assert_eq!((l.timestamp_ms, header(&l, ORIGINAL_TIMESTAMP)), (Some(1_000_000), Some("7")));
     }
 
     #[test]
