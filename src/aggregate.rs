@@ -5,7 +5,7 @@
 //! read and which of them were counted clicks; it hands back [`Flush`]es: the rows to
 //! write and the offsets that become safe to commit once those rows are durable.
 //!
-//! Why the rows are idempotent (see DESIGN.md §2): a batch is the offset range
+//! Why the rows are idempotent (see docs/DESIGN.md §3): a batch is the offset range
 //! `[start, start + N)` of one partition, `start = offset - offset % N`. Within a batch,
 //! the cumulative count of a bucket at offset `o` is a function of the log alone, and
 //! never decreases as `o` grows. A row carries `(clicks, version = o)`, so any retried,

@@ -42,6 +42,10 @@ pub enum Command {
     Status(crate::status::group::StatusArgs),
     /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
     Config,
+    /// The settings that decide which clicks count, as the topic records them; change
+    /// them on purpose (README, "Changing what counts").
+    #[command(subcommand)]
+    Settings(crate::settings_cmd::SettingsCommand),
 }
 
 /// Connection and pipeline flags shared by every command.

@@ -33,6 +33,7 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
         Command::Status(args) => crate::status::group::run(&settings, &args).await,
+        Command::Settings(command) => crate::settings_cmd::run(&settings, &command).await,
         Command::Config => {
             print!("{}", settings.to_redacted_toml());
             Ok(ExitCode::SUCCESS)

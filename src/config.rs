@@ -791,6 +791,20 @@ impl Settings {
         toml::to_string_pretty(self).expect("settings always serialize")
     }
 
+    /// The settings that decide which clicks count, as the topic records them.
+    pub fn rules(&self) -> crate::dedup::Rules {
+        let v = &self.validation;
+        crate::dedup::Rules {
+            window_secs: self.dedup_window().as_secs(),
+            fingerprint_key_id: crate::dedup::Rules::key_id(self.dedup.fingerprint_key.expose()),
+            shards: self.dedup.shards,
+            max_payload_bytes: v.max_payload_bytes as u64,
+            max_click_id_len: v.max_click_id_len as u64,
+            max_future_skew_secs: v.max_future_skew.as_secs(),
+            max_lateness_secs: v.max_lateness.as_secs(),
+        }
+    }
+
     /// The shared dedup cache of `kafka.topic`.
     pub fn shared_cache(&self) -> Result<crate::dedup::SharedCache, ConfigError> {
         let groups = if self.redis_cluster() { self.redis.slot_groups.unwrap_or(16) } else { 1 };
@@ -803,7 +817,8 @@ impl Settings {
             self.dedup_window(),
             self.redis.timeout,
         )
-        .with_wait(self.redis_wait()))
+        .with_wait(self.redis_wait())
+        .with_settings_tag(&self.rules().tag()))
     }
 
     /// Whether the dedup cache is a Redis Cluster: `redis.cluster`, or several seed nodes.

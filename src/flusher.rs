@@ -3,7 +3,7 @@
 //! Flushes arrive in order on a bounded channel. Each is written completely — its dead
 //! letters acknowledged, its pins, then its rows (roll-ups first) — and only then are
 //! the offsets it allows committed, and only then does the next flush start: a later
-//! flush's commits assume the earlier rows are durable (DESIGN.md §3). Meanwhile the
+//! flush's commits assume the earlier rows are durable (docs/DESIGN.md §8). Meanwhile the
 //! member goes on reading and deciding. When the channel is full the member waits to
 //! hand over its next flush, its unflushed state grows, and at
 //! `pipeline.max_unflushed_buckets` it pauses consumption.
@@ -14,7 +14,7 @@
 //! ends the task and stops the member.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -35,6 +35,9 @@ use crate::telemetry::{self as t, RateLimiter};
 /// One flush on its way to ClickHouse.
 pub struct Job {
     pub flush: Flush,
+    /// Partition clocks at the batch boundaries crossed since the last cut: written
+    /// before the commits that pass them.
+    pub clocks: Vec<crate::dedup::Checkpoint>,
     /// Rejected records read before this flush was cut: acknowledged before its commit.
     pub dead_letters: Vec<Record>,
     /// Counted clicks by record timestamp: how fresh the counts are once durable.
@@ -49,7 +52,8 @@ pub struct Job {
 pub type Committer = Box<dyn Fn(&BTreeMap<i32, i64>, CommitMode) -> KafkaResult<()> + Send + Sync>;
 
 enum Message {
-    Job(Box<Job>),
+    /// A job, with the fence it was handed over under.
+    Job(Box<Job>, u64),
     /// Answered once every job before it is durable and committed.
     Barrier(oneshot::Sender<()>),
 }
@@ -83,6 +87,9 @@ struct Shared {
     owned: Mutex<BTreeSet<i32>>,
     /// Set when the drain timed out: nothing more is written or committed.
     abandoned: AtomicBool,
+    /// Bumped by [`Flusher::fence`]: a job handed over before writes its rows but
+    /// commits nothing.
+    fence: AtomicU64,
     rows_flushed: AtomicUsize,
 }
 
@@ -96,6 +103,7 @@ impl Flusher {
             buckets: AtomicUsize::new(0),
             owned: Mutex::new(BTreeSet::new()),
             abandoned: AtomicBool::new(false),
+            fence: AtomicU64::new(0),
             rows_flushed: AtomicUsize::new(0),
         });
         tokio::spawn(run(config, rx, shared.clone()));
@@ -111,12 +119,13 @@ impl Flusher {
 
     /// Hands a flush over, waiting while the queue is full.
     pub async fn send(&self, job: Job) {
-        if job.flush.is_empty() && job.dead_letters.is_empty() {
+        if job.flush.is_empty() && job.dead_letters.is_empty() && job.clocks.is_empty() {
             return;
         }
         self.shared.buckets.fetch_add(job.buckets, Ordering::Relaxed);
+        let fence = self.shared.fence.load(Ordering::Relaxed);
         // The task only ends with the member (or fatally, which the member sees).
-        let _ = self.tx.send(Message::Job(Box::new(job))).await;
+        let _ = self.tx.send(Message::Job(Box::new(job), fence)).await;
     }
 
     /// Hands the last flush over and waits until everything handed over is durable and
@@ -128,6 +137,13 @@ impl Flusher {
             self.tx.send(Message::Barrier(tx)).await.is_ok() && rx.await.is_ok()
         };
         tokio::time::timeout_at(deadline.into(), wait).await.unwrap_or(false)
+    }
+
+    /// Jobs handed over so far commit nothing: their decisions were made in a dedup
+    /// cache that has since been lost, and their partitions start over from the
+    /// committed offsets (their rows are still written, as a crash mid-flush leaves them).
+    pub fn fence(&self) {
+        self.shared.fence.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Nothing more is written or committed (the drain timed out, or a fatal error).
@@ -158,14 +174,16 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
                 let _ = done.send(());
                 continue;
             }
-            Message::Job(job) => job,
+            Message::Job(job, fence) => (job, fence),
         };
+        let (job, fence) = job;
         if shared.abandoned.load(Ordering::Relaxed) {
             shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
             continue;
         }
         match write(&mut c, &job, &shared, &log_limit).await {
-            Ok(true) => commit(&mut c, &job, &shared).await,
+            Ok(true) if fence == shared.fence.load(Ordering::Relaxed) => commit(&mut c, &job, &shared).await,
+            Ok(true) => debug!("a job cut before the dedup cache was lost: rows written, nothing committed"),
             Ok(false) => {} // abandoned: the job is not durable, nothing is committed
             Err(e) => {
                 shared.abandoned.store(true, Ordering::Relaxed);
@@ -209,6 +227,7 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
             let started = Instant::now();
             let result = async {
                 c.sink.insert_pins(&c.topic, &f.pins).await?;
+                c.sink.insert_clocks(&c.topic, &job.clocks).await?;
                 c.sink.insert(&c.topic, &f.rows, c.writer).await
             }
             .await;

@@ -49,10 +49,14 @@ pub enum RedisTrouble {
     Unreachable = 1,
     OutOfMemory = 2,
     ReadOnly = 3,
+    /// Claims wait while other partitions' dedup state is rebuilt from the log (after
+    /// the cache was lost).
+    Rebuilding = 4,
 }
 
 impl RedisTrouble {
-    pub const ALL: [RedisTrouble; 3] = [RedisTrouble::Unreachable, RedisTrouble::OutOfMemory, RedisTrouble::ReadOnly];
+    pub const ALL: [RedisTrouble; 4] =
+        [RedisTrouble::Unreachable, RedisTrouble::OutOfMemory, RedisTrouble::ReadOnly, RedisTrouble::Rebuilding];
 
     /// Reads a Redis error: OOM (maxmemory reached with noeviction) and READONLY (the
     /// node became a replica, e.g. after a failover) are the two ways a reachable Redis
@@ -73,6 +77,7 @@ impl RedisTrouble {
             RedisTrouble::Unreachable => "unreachable",
             RedisTrouble::OutOfMemory => "out_of_memory",
             RedisTrouble::ReadOnly => "read_only",
+            RedisTrouble::Rebuilding => "rebuilding",
         }
     }
 
@@ -81,6 +86,7 @@ impl RedisTrouble {
             RedisTrouble::Unreachable => "redis unreachable",
             RedisTrouble::OutOfMemory => "redis out of memory: claims refused (raise maxmemory)",
             RedisTrouble::ReadOnly => "redis read-only: claims refused (point redis.url at the master)",
+            RedisTrouble::Rebuilding => "dedup cache being rebuilt from the log after it was lost",
         }
     }
 }

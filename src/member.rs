@@ -10,7 +10,7 @@
 //! the same task, so they reach the same `Stages` through a mutex that is never
 //! contended. On revoke they cut the partitions' state, hand it to the flusher and wait
 //! until it is durable and committed before librdkafka lets the partitions go
-//! (DESIGN.md §3: flush, then commit, then release). On assign they plan where each
+//! (docs/DESIGN.md §8: flush, then commit, then release). On assign they plan where each
 //! partition starts (the batch boundary at or below its committed offset, after a
 //! warm-up if the dedup cache needs one, `position`) and hand librdkafka those offsets,
 //! whatever an operator reset the group to.
@@ -34,7 +34,7 @@ use tracing::{error, info, warn};
 
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::{Claimer, Pin, Verdicts};
+use crate::dedup::{Claimer, DedupError, Lost, Recovery, Verdicts};
 use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
 use crate::pipeline::{
@@ -80,7 +80,7 @@ impl GroupContext {
     /// unavailable (the member cannot count safely without a plan). `None` when the
     /// member is shutting down or hit a fatal error: then nothing of these partitions
     /// is processed.
-    fn plan(&self, consumer: &BaseConsumer<Self>, partitions: &[i32]) -> Option<Vec<(Start, BTreeMap<i64, Pin>)>> {
+    fn plan(&self, consumer: &BaseConsumer<Self>, partitions: &[i32]) -> Option<Vec<(Start, crate::pipeline::RecordedPins)>> {
         let mut backoff = Backoff::new(self.max_backoff);
         loop {
             let planned =
@@ -218,6 +218,14 @@ impl ConsumerContext for GroupContext {
     }
 }
 
+/// How often the loop tells the sweeper which partitions lag (`Loop::give_holds`).
+const HOLDS_EVERY: Duration = Duration::from_secs(5);
+
+/// How long a partition rests after a rewind before it is read again (`Loop::rewind`).
+const REWIND_PAUSE: Duration = Duration::from_millis(300);
+
+const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Everything a member needs that is built before the loop starts.
 pub struct Member {
     pub settings: Settings,
@@ -244,14 +252,18 @@ impl Member {
                 check_topic_not_recreated(s, ch)
             })
             .await?;
+            let rules = until_done("checking the recorded dedup settings", backoff, &shutdown, || {
+                check_recorded_rules(s, ch)
+            })
+            .await?;
             self.health.set_clickhouse(true);
-            refuse_compacted_topic(s).await?;
+            check_topic_config(s).await?;
             let mut cache = s.shared_cache()?;
             wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
-            Ok::<_, PipelineError>(cache)
+            Ok::<_, PipelineError>((cache, rules))
         }
         .await;
-        let cache = match started {
+        let (cache, rules) = match started {
             Err(PipelineError::ShutDown(what)) => {
                 info!(%what, "shut down before joining the group; nothing was read");
                 return Ok(Exit::Drained);
@@ -260,7 +272,7 @@ impl Member {
         };
         let sweeper = CancellationToken::new();
         tokio::spawn(crate::dedup::shared::sweep_forever(
-            s.shared_cache()?,
+            cache.handle(),
             s.dedup_window(),
             s.dedup.max_record_lag,
             sweeper.clone(),
@@ -283,14 +295,14 @@ impl Member {
             writer: Writer::Member,
             committer: Some(committer(consumer_cell.clone(), s.kafka.topic.clone())),
             dead_letters,
-            cache: Some(s.shared_cache()?),
+            cache: Some(cache.handle()),
             health: self.health.clone(),
             max_backoff: s.pipeline.max_backoff,
             fatal: fatal.clone(),
         }));
-        let (claimer, verdicts) = Claimer::start(s.shared_cache()?, s.pipeline.max_backoff, self.health.clone());
-        let stages =
-            Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), cache, sink, self.health.clone())));
+        let (claimer, verdicts) = Claimer::start(cache.handle(), s.pipeline.max_backoff, self.health.clone());
+        let stages_config = StagesConfig { rules: Some(rules), ..StagesConfig::from_settings(s) };
+        let stages = Arc::new(Mutex::new(Stages::new(stages_config, Some(cache), sink, self.health.clone())));
         let paused = Arc::new(AtomicBool::new(false));
         let context = GroupContext {
             stages: stages.clone(),
@@ -317,6 +329,10 @@ impl Member {
             verdicts,
             health: &self.health,
             paused: &paused,
+            holds: BTreeMap::new(),
+            rewound: BTreeMap::new(),
+            log_waits: RateLimiter::new(Duration::from_secs(5)),
+            topic: &s.kafka.topic,
         };
         let exit = match parts.run(s, &shutdown, &fatal).await {
             Ok(()) => drain(&stages, &flusher, s.pipeline.drain_timeout).await,
@@ -357,6 +373,12 @@ struct Loop<'a> {
     health: &'a Health,
     /// Shared with the rebalance callbacks (`GroupContext::paused`).
     paused: &'a AtomicBool,
+    /// The holds last given to the sweeper (`Stages::holds`).
+    holds: BTreeMap<i32, Option<crate::dedup::Secs>>,
+    /// Partitions paused after a rewind, and when they resume (`Loop::rewind`).
+    rewound: BTreeMap<i32, Instant>,
+    log_waits: RateLimiter,
+    topic: &'a str,
 }
 
 impl Loop<'_> {
@@ -375,6 +397,10 @@ impl Loop<'_> {
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
         let decoder = s.decoder();
+        // Set when a claim found the dedup cache lost: no more batches are read until
+        // those in flight are answered, then every partition starts over.
+        let mut lost: Option<Lost> = None;
+        let mut last_holds = Instant::now();
 
         loop {
             let paused = self.backpressure(max_unflushed).await?;
@@ -385,8 +411,20 @@ impl Loop<'_> {
                 answer = self.verdicts.recv(), if !in_flight.is_empty() => {
                     let prepared = in_flight.pop_front().expect("checked");
                     metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
-                    let verdicts = answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))??;
-                    self.apply(prepared, verdicts).await?;
+                    match answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))? {
+                        Ok(verdicts) if lost.is_none() => self.apply(prepared, verdicts).await?,
+                        // After a loss, every batch is read again once the member started over.
+                        Ok(_) => {}
+                        Err(DedupError::Lost(l)) => {
+                            lost.get_or_insert(l);
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                    if in_flight.is_empty() {
+                        if let Some(l) = lost.take() {
+                            self.start_over(&l, s.pipeline.max_backoff, shutdown).await?;
+                        }
+                    }
                 }
                 // Always armed: besides cutting flushes, the tick re-checks backpressure
                 // while consumption is paused and nothing else wakes the loop.
@@ -395,11 +433,23 @@ impl Loop<'_> {
                         let job = self.stages.lock().await.cut(CommitMode::Async);
                         self.flusher.send(job).await;
                     }
+                    if in_flight.is_empty() && lost.is_none() {
+                        // An idle member asks the cache too whether it still holds what the
+                        // member relies on: a loss must be noticed (and this member's
+                        // partitions rebuilt) even where no click arrives.
+                        self.claimer.claim(Default::default());
+                        in_flight.push_back(Prepared::empty());
+                    }
+                    self.resume_rewound()?;
+                    if last_holds.elapsed() >= HOLDS_EVERY {
+                        last_holds = Instant::now();
+                        self.give_holds().await;
+                    }
                 }
                 // Polled even with two batches in flight while paused: polling keeps the
                 // member in the group and serves rebalances through a long outage, and
                 // little arrives once consumption is paused.
-                chunk = chunks.next(), if in_flight.len() < 2 || paused => {
+                chunk = chunks.next(), if (in_flight.len() < 2 || paused) && lost.is_none() => {
                     let Some(chunk) = chunk else { return Ok(()) };
                     let mut records = Vec::with_capacity(chunk.len());
                     for message in chunk {
@@ -416,7 +466,11 @@ impl Loop<'_> {
                             }
                         }
                     }
-                    let mut prepared = self.stages.lock().await.prepare(records);
+                    let mut prepared = {
+                        let mut st = self.stages.lock().await;
+                        st.ensure_pins(&records, shutdown, s.pipeline.max_backoff).await?;
+                        st.prepare(records)
+                    };
                     // Every batch goes through the claim task, claims or not, so that
                     // the verdicts come back in batch order.
                     self.claimer.claim(prepared.take_claims());
@@ -427,18 +481,114 @@ impl Loop<'_> {
         }
     }
 
+    /// After a claim found the dedup cache lost: moves to a new namespace (or the one
+    /// another member already moved to), fences the flusher (flushes cut so far commit
+    /// nothing) and starts every partition over from its committed offset, rebuilding
+    /// its state in the new namespace.
+    async fn start_over(
+        &mut self,
+        lost: &Lost,
+        max_backoff: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PipelineError> {
+        warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
+        self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
+        self.flusher.fence();
+        let mut backoff = Backoff::new(max_backoff);
+        loop {
+            let attempt = async {
+                let mut st = self.stages.lock().await;
+                let recovery = st.cache().recover(lost).await?;
+                if let Recovery::Renewed(namespace) = &recovery {
+                    info!(%namespace, "dedup cache namespace");
+                }
+                st.start_over(self.consumer).await?;
+                self.flusher.set_owned(st.partitions());
+                Ok::<_, PipelineError>(())
+            };
+            match attempt.await {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_fatal() => return Err(e),
+                Err(e) => {
+                    warn!(error = %e, "starting over after the dedup cache was lost failed; retrying");
+                    if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
+                        return Err(PipelineError::ShutDown("rebuilding the dedup cache".into()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tells the sweeper which partitions lag far enough behind to need old sightings
+    /// (`Stages::holds`), when that changed.
+    async fn give_holds(&mut self) {
+        let mut st = self.stages.lock().await;
+        let (consumer, topic) = (self.consumer, self.topic);
+        let holds = st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
+        if holds == self.holds {
+            return;
+        }
+        match st.cache().set_holds(&holds).await {
+            Ok(()) => {
+                let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
+                metrics::gauge!(t::DEDUP_HELD_PARTITIONS).set(lagging.len() as f64);
+                if !lagging.is_empty() {
+                    info!(?lagging, "partitions lag the wall clock: the dedup cache keeps the sightings they still need");
+                }
+                self.holds = holds;
+            }
+            Err(e) => warn!(error = %e, "could not tell the dedup cache's sweeper which partitions lag; retrying"),
+        }
+    }
+
     /// Applies one batch's verdicts; falls back partitions the cache cannot decide, and
     /// hands a flush over when a batch completed.
     async fn apply(&mut self, prepared: Prepared, verdicts: Vec<crate::dedup::Verdict>) -> Result<(), PipelineError> {
         let mut st = self.stages.lock().await;
-        let distrusted = st.apply(prepared, verdicts);
-        for (p, why) in distrusted {
+        let applied = st.apply(prepared, verdicts);
+        for (p, why) in applied.fall_backs {
             st.fall_back_to_private(self.consumer, p, why).await?;
         }
+        drop(st);
+        for (p, from) in applied.rewinds {
+            self.rewind(p, from)?;
+        }
+        let mut st = self.stages.lock().await;
         if st.has_complete_batches() && self.flusher.has_room() {
             let job = st.cut(CommitMode::Async);
             drop(st);
             self.flusher.send(job).await;
+        }
+        Ok(())
+    }
+
+    /// Reads `partition` again from `from` after a short pause: a sighting there waits
+    /// until other partitions' dedup state is rebuilt from the log (their members are
+    /// warming them up), and asking again at once would only spin.
+    fn rewind(&mut self, partition: i32, from: i64) -> Result<(), PipelineError> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(self.topic, partition);
+        tokio::task::block_in_place(|| self.consumer.seek(self.topic, partition, Offset::Offset(from), SEEK_TIMEOUT))?;
+        self.consumer.pause(&tpl)?;
+        if self.log_waits.allow("wait", Instant::now()).is_some() {
+            info!(partition, from, "waiting for other partitions' dedup state to be rebuilt from the log");
+        }
+        self.rewound.insert(partition, Instant::now() + REWIND_PAUSE);
+        Ok(())
+    }
+
+    /// Resumes the partitions whose pause after a rewind is over (unless the whole
+    /// member is paused: backpressure resumes them with the rest).
+    fn resume_rewound(&mut self) -> Result<(), PipelineError> {
+        let now = Instant::now();
+        let due: Vec<i32> = self.rewound.iter().filter(|(_, &at)| at <= now).map(|(&p, _)| p).collect();
+        for p in due {
+            self.rewound.remove(&p);
+            if !self.paused.load(Ordering::Relaxed) {
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(self.topic, p);
+                self.consumer.resume(&tpl)?;
+            }
         }
         Ok(())
     }
@@ -500,7 +650,11 @@ async fn wait_for_redis(
 ) -> Result<(), PipelineError> {
     let mut backoff = Backoff::new(max_backoff);
     loop {
-        match cache.check_eviction_policy().await {
+        let checked = async {
+            cache.check_eviction_policy().await?;
+            cache.open().await.map(drop)
+        };
+        match checked.await {
             Ok(()) => return Ok(()),
             Err(e) if e.is_fatal() => return Err(e.into()),
             Err(e) => {
@@ -513,18 +667,95 @@ async fn wait_for_redis(
     }
 }
 
-/// Refuses a compacted click topic: compaction deletes earlier records with the same
-/// key, so a re-read would no longer see the originals its duplicates were judged by.
-async fn refuse_compacted_topic(s: &Settings) -> Result<(), PipelineError> {
-    match source::cleanup_policy(&s.kafka, &s.kafka.topic).await {
-        Ok(Some(policy)) if policy.contains("compact") => Err(PipelineError::Fatal(format!(
-            "kafka topic {} has cleanup.policy={policy}: compaction deletes the originals that decide which \
-             retries are duplicates, so a re-read would count differently; set cleanup.policy=delete on the topic",
-            s.kafka.topic
-        ))),
-        // A topic that does not exist yet is created with the broker's default policy.
-        Ok(_) | Err(_) => Ok(()),
+/// Checks the click topic's settings against the definition of what counts: a
+/// compacted topic is refused (compaction deletes earlier records with the same key, so
+/// a re-read would no longer see the originals its duplicates were judged by); a
+/// retention shorter than the window plus `dedup.max_record_lag`, and record
+/// timestamps accepted without a bound ahead, are named in a loud warning (what they do
+/// to the counts is in README, "What counts").
+async fn check_topic_config(s: &Settings) -> Result<(), PipelineError> {
+    // A topic that does not exist yet is created with the broker's defaults.
+    let Ok(configs) = source::topic_configs(&s.kafka, &s.kafka.topic).await else { return Ok(()) };
+    let topic = &s.kafka.topic;
+    if let Some(policy) = configs.get("cleanup.policy").filter(|p| p.contains("compact")) {
+        return Err(PipelineError::Fatal(format!(
+            "kafka topic {topic} has cleanup.policy={policy}: compaction deletes the originals that decide which \
+             retries are duplicates, so a re-read would count differently; set cleanup.policy=delete on the topic"
+        )));
     }
+    let needed = s.dedup_window() + s.dedup.max_record_lag;
+    if let Some(ms) = configs.get("retention.ms").and_then(|v| v.parse::<i64>().ok()).filter(|&ms| ms >= 0) {
+        if (ms as u128) < needed.as_millis() {
+            warn!(
+                topic = %topic,
+                retention_ms = ms,
+                needed_ms = needed.as_millis() as u64,
+                "RETENTION SHORTER THAN THE DEDUP WINDOW: retention.ms of the click topic is shorter than \
+                 dedup.window + dedup.max_record_lag; once it deletes an original, a re-read or a warm-up no \
+                 longer sees it and counts a retry that followed within the window. Raise retention.ms."
+            );
+        }
+    }
+    let create_time = configs.get("message.timestamp.type").is_none_or(|t| t == "CreateTime");
+    let ahead = configs.get("message.timestamp.after.max.ms").and_then(|v| v.parse::<i64>().ok());
+    if create_time && ahead.is_none_or(|ms| ms > i64::from(crate::dedup::CLOCK_JUMP) * 1000) {
+        warn!(
+            topic = %topic,
+            after_max_ms = ?ahead,
+            "UNBOUNDED RECORD TIMESTAMPS: the click topic accepts producer timestamps far ahead of the broker's \
+             clock (message.timestamp.after.max.ms); a single such record does not move a partition's clock, but \
+             two in a row do, and every later record of the partition is then judged at that time. Set \
+             message.timestamp.after.max.ms to 3600000 or less."
+        );
+    }
+    Ok(())
+}
+
+/// Refuses to run with decision settings other than the topic's (`clickagg_settings`,
+/// registering ours when none are recorded), and a topic whose Kafka ID is not the one
+/// recorded (deleted and recreated: its offsets start over). Returns the recorded
+/// versions, for the planning of each partition's start.
+async fn check_recorded_rules(s: &Settings, sink: &Sink) -> Result<crate::sink::RulesHistory, PipelineError> {
+    let k = s.kafka.clone();
+    let topic = s.kafka.topic.clone();
+    let topic_id = tokio::task::spawn_blocking(move || {
+        let c = source::lookup_consumer(&k)?;
+        source::topic_id(&c, &topic, Duration::from_secs(10))
+    })
+    .await
+    .map_err(|e| PipelineError::Fatal(e.to_string()))?
+    // A topic not created yet has no ID; the first member that sees it records it.
+    .unwrap_or(None);
+    let ours = s.rules();
+    let history = sink.register_rules(&s.kafka.topic, &ours, topic_id.as_deref()).await?;
+    let latest = history.latest().expect("registration leaves at least one version");
+    let differences = ours.differences(&latest.rules);
+    if !differences.is_empty() {
+        let list: Vec<String> = differences
+            .iter()
+            .map(|(name, mine, recorded)| format!("{name} is {mine} here but {recorded} in the topic's record"))
+            .collect();
+        return Err(PipelineError::Fatal(format!(
+            "the settings that decide which clicks count differ from those recorded for topic {} (settings \
+             version {}): {}. Run every member with the recorded settings, or change them on purpose with \
+             `clickagg settings change` (README, \"Changing what counts\").",
+            s.kafka.topic,
+            latest.version,
+            list.join("; ")
+        )));
+    }
+    let recorded_id = history.versions.iter().find_map(|v| v.topic_id.clone());
+    if let (Some(recorded), Some(now)) = (&recorded_id, &topic_id) {
+        if recorded != now {
+            return Err(PipelineError::Fatal(format!(
+                "kafka topic {} has ID {now}, but the counts in ClickHouse were recorded for a topic of that name \
+                 with ID {recorded}: it was deleted and recreated, and its offsets would overwrite the old topic's \
+                 batches and take its pins. Write the new topic into another database (clickhouse.database).",
+                s.kafka.topic
+            )));
+        }
+    }
+    Ok(history)
 }
 
 /// Refuses to write a topic whose offsets are behind the batches already stored for it:

@@ -25,16 +25,19 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::{Offset, TopicPartitionList};
+use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::config::Settings;
 use crate::dedup::{
-    Claim, ClaimMode, DedupError, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, SharedCache, Sighting, Verdict,
+    Checkpoint, Claim, ClaimBatch, ClaimMode, DedupError, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, SharedCache,
+    Sighting, Verdict,
 };
 use crate::flusher::Job;
 use crate::health::Health;
+use crate::planner;
 use crate::position::{self, Scope, Start};
 use crate::sink::{Sink, SinkError};
 use crate::source::{self, Record};
@@ -156,7 +159,9 @@ pub struct Stages {
     topic: String,
     pub agg: Aggregator,
     /// For planning starts, restarts and the cached pins (claims go through a `Claimer`).
-    cache: SharedCache,
+    /// `None` for a replay, which never touches Redis.
+    cache: Option<SharedCache>,
+    rules: Option<crate::sink::RulesHistory>,
     window: Secs,
     max_record_lag: Duration,
     /// The partitions being read, with where each started and how it decides. Records
@@ -175,6 +180,9 @@ pub struct Stages {
     freshness: t::ClicksByTenth,
     /// Cuts of partitions that fell back to private state, written with the next flush.
     carried: Flush,
+    /// Partition clocks at the batch boundaries crossed since the last cut: written
+    /// with the next flush, before its commits (`clickagg_clocks`).
+    clocks: Vec<Checkpoint>,
     pub totals: BatchStats,
     health: Arc<Health>,
     log_limit: RateLimiter,
@@ -188,33 +196,70 @@ struct Reader {
     count_from: i64,
     clock: PartitionClock,
     scope: Scope,
-    /// Recorded cross-partition decisions for offsets this reader reads.
-    pins: BTreeMap<i64, Pin>,
+    /// Recorded cross-partition decisions for the offsets this reader reads next, loaded
+    /// a window at a time ([`Stages::ensure_pins`]) and dropped once read, so a replay of
+    /// a month holds no more than a window of them.
+    pins: RecordedPins,
     /// The last offset taken in: anything at or below it is a stale fetch.
     last: i64,
 }
 
-/// Why a member stops trusting the shared cache for a partition.
+impl Reader {
+    /// The clock checkpoints of `offset`, which comes right after `self.last`: the
+    /// boundary it crosses (unless the record before it ended a batch, which recorded
+    /// the boundary already), with the clock before it; then, once `offset` is ticked,
+    /// the boundary after it if it ends a batch.
+    fn crossing(&self, n: BatchOffsets, partition: i32, offset: i64) -> Option<Checkpoint> {
+        let b = n.start_of(offset);
+        (b > self.last + 1).then_some(Checkpoint { partition, boundary: b, clock: self.clock })
+    }
+
+    fn batch_end(&self, n: BatchOffsets, partition: i32, offset: i64) -> Option<Checkpoint> {
+        let next = offset + 1;
+        (n.start_of(next) == next).then_some(Checkpoint { partition, boundary: next, clock: self.clock })
+    }
+}
+
+/// The recorded cross-partition decisions of a reader's next offsets: every one at or
+/// below `until` is in `pins`.
+#[derive(Debug, Clone, Default)]
+pub struct RecordedPins {
+    pub pins: BTreeMap<i64, Pin>,
+    pub until: i64,
+}
+
+impl RecordedPins {
+    /// Nothing loaded yet for a reader starting at `from`.
+    pub fn before(from: i64) -> RecordedPins {
+        RecordedPins { pins: BTreeMap::new(), until: from - 1 }
+    }
+
+    fn get(&self, offset: i64) -> Option<Pin> {
+        self.pins.get(&offset).copied()
+    }
+}
+
+/// Why a member re-reads a partition privately: a re-read the cache could not decide
+/// (a sighting older than the chain the cache keeps, or one swept since). Lagging far
+/// behind is not a reason: the sweeper keeps what a lagging reader holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Distrust {
-    /// A re-read the cache could not decide.
     Undecidable,
-    /// The partition lags the wall clock by more than `dedup.max_record_lag`: entries
-    /// it needs may have been collected.
-    Lag,
 }
 
 impl Distrust {
     fn as_str(self) -> &'static str {
         match self {
             Distrust::Undecidable => "undecidable",
-            Distrust::Lag => "lag",
         }
     }
 }
 
 pub struct StagesConfig {
     pub topic: String,
+    /// The recorded settings versions (a member): no partition is read from before where
+    /// the latest took over.
+    pub rules: Option<crate::sink::RulesHistory>,
     pub batch_offsets: BatchOffsets,
     pub window: Duration,
     pub max_record_lag: Duration,
@@ -225,6 +270,7 @@ impl StagesConfig {
     pub fn from_settings(s: &Settings) -> StagesConfig {
         StagesConfig {
             topic: s.kafka.topic.clone(),
+            rules: None,
             batch_offsets: s.batch_offsets(),
             window: s.dedup_window(),
             max_record_lag: s.dedup.max_record_lag,
@@ -246,26 +292,43 @@ struct Item {
     generation: u64,
     /// Its record time.
     clock: Secs,
+    /// Its partition's clock just before it: where a reader rewound to it starts.
+    clock_before: PartitionClock,
     /// Before the reader's first counted offset: it only rebuilds dedup state.
     warm: bool,
     fingerprint: Option<Fingerprint>,
     verdict: Option<Verdict>,
 }
 
+/// What applying a poll batch asks of the loop: partitions to re-read privately (the
+/// cache could not decide a re-read), and partitions to read again from an offset (a
+/// sighting had to wait while other partitions' state is rebuilt): seek them there.
+#[derive(Debug, Default)]
+pub struct Applied {
+    pub fall_backs: BTreeMap<i32, Distrust>,
+    pub rewinds: BTreeMap<i32, i64>,
+}
+
 /// A poll batch between [`Stages::prepare`] and [`Stages::apply`].
 pub struct Prepared {
     items: Vec<Item>,
-    /// The claims for the shared cache, in record order; `claimed[i]` is claim i's item.
-    claims: Vec<Claim>,
-    claimed: Vec<usize>,
-    /// Partitions that stop trusting the cache before this batch (lag), with the
-    /// generation of the reader that saw it.
-    distrusted: BTreeMap<i32, (Distrust, u64)>,
+    /// The claims for the shared cache, in record order; `claimed[i]` is claim i's item,
+    /// or `None` for a sighting a private reader hands the cache as a warm-up claim
+    /// (decided already; its verdict is not used).
+    claims: ClaimBatch,
+    claimed: Vec<Option<usize>>,
 }
 
 impl Prepared {
-    /// Takes the claims to hand to the `Claimer` (the verdicts come back in this order).
-    pub fn take_claims(&mut self) -> Vec<Claim> {
+    /// A batch of nothing: handed to the claimer, it asks the cache whether it still holds
+    /// what this member relies on (an idle member's check).
+    pub fn empty() -> Prepared {
+        Prepared { items: Vec::new(), claims: ClaimBatch::default(), claimed: Vec::new() }
+    }
+
+    /// Takes the claims to hand to the `Claimer` (the verdicts come back in this order),
+    /// with the generation of the reader each came from.
+    pub fn take_claims(&mut self) -> ClaimBatch {
         std::mem::take(&mut self.claims)
     }
 
@@ -284,12 +347,13 @@ impl Prepared {
 }
 
 impl Stages {
-    pub fn new(cfg: StagesConfig, cache: SharedCache, sink: Sink, health: Arc<Health>) -> Stages {
+    pub fn new(cfg: StagesConfig, cache: Option<SharedCache>, sink: Sink, health: Arc<Health>) -> Stages {
         let window = cfg.window.as_secs().try_into().unwrap_or(Secs::MAX);
         Stages {
             topic: cfg.topic,
             agg: Aggregator::new(cfg.batch_offsets),
             cache,
+            rules: cfg.rules,
             window,
             max_record_lag: cfg.max_record_lag,
             readers: HashMap::new(),
@@ -300,6 +364,7 @@ impl Stages {
             rejected: Vec::new(),
             freshness: BTreeMap::new(),
             carried: Flush::default(),
+            clocks: Vec::new(),
             totals: BatchStats::default(),
             health,
             log_limit: RateLimiter::new(Duration::from_secs(5)),
@@ -319,16 +384,18 @@ impl Stages {
         &mut self,
         consumer: &impl Consumer<X>,
         partitions: &[i32],
-    ) -> Result<Vec<(Start, BTreeMap<i64, Pin>)>, PipelineError> {
+    ) -> Result<Vec<(Start, RecordedPins)>, PipelineError> {
         // A cooperative rebalance may assign nothing new to this member.
         if partitions.is_empty() {
             return Ok(Vec::new());
         }
+        let timeout = Duration::from_secs(10);
+        let count = source::partitions(consumer, &self.topic, timeout)?.len();
+        self.shared()?.set_partition_count(count as u32);
         let mut tpl = TopicPartitionList::new();
         for &p in partitions {
             tpl.add_partition(&self.topic, p);
         }
-        let timeout = Duration::from_secs(10);
         let committed = consumer.committed_offsets(tpl, timeout)?;
         let requested: BTreeMap<i32, Option<i64>> = committed
             .elements()
@@ -336,10 +403,21 @@ impl Stages {
             .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
             .collect();
         let n = self.agg.batch_offsets();
-        let marks = source::marks(consumer, &self.topic, n, &requested, self.window, timeout)?;
-        let frontiers = self.cache.frontiers(partitions).await?;
+        let at = source::boundaries(consumer, &self.topic, n, &requested, timeout)?;
+        let marks = planner::marks(&self.sink, &self.topic, &at, self.window).await?;
+        let frontiers = self.shared()?.frontiers(partitions).await?;
         let mut starts = Vec::new();
         for (&p, &m) in &marks {
+            let from = self.rules.as_ref().map_or(0, |r| r.latest_from(p));
+            if m.boundary < from {
+                return Err(PipelineError::Fatal(format!(
+                    "partition {p} would be read from offset {}, before offset {from} where the topic's current \
+                     dedup settings took over (`clickagg settings change`): a member decides only under the current \
+                     settings. Reset the group to {from} or later; re-read older ranges with `clickagg replay`, \
+                     which decides each range under the settings recorded for it.",
+                    m.boundary
+                )));
+            }
             let (frontier, lost) = position::merge_frontiers(frontiers.get(&p).map_or(&[][..], Vec::as_slice), m);
             if lost {
                 warn!(
@@ -350,14 +428,17 @@ impl Stages {
                 metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
             }
             let start = position::shared_start(p, m, frontier);
-            if start.read_from == m.lookback && m.lookback < m.boundary {
+            let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
+            if matches!(start.scope, Scope::Shared { .. }) && behind {
                 // The cache lacks everything before the lookback: its re-reads below the
-                // boundary cannot be trusted after this warm-up.
-                self.cache.restart(p, m.lookback, m.boundary).await?;
+                // boundary cannot be trusted after this warm-up, and the partition is not
+                // ready (others' fresh sightings wait) until the warm-up reaches it. A
+                // partition the cache never saw gets its frontier here.
+                self.shared()?.restart(p, m.lookback.0, m.boundary).await?;
             }
             // Every recorded decision from the first offset read on: a re-read applies it,
             // warm-up included, with the effect it had on the cache (the frontier may be lost).
-            let pins = self.pins(p, start.read_from, i64::MAX).await?;
+            let pins = self.pins_from(p, start.read_from).await?;
             info!(
                 partition = p,
                 committed = ?requested.get(&p).copied().flatten(),
@@ -373,7 +454,7 @@ impl Stages {
 
     /// Partitions become ours, starting as planned: any state left from an earlier
     /// ownership is stale, so it is dropped.
-    pub fn assign(&mut self, starts: Vec<(Start, BTreeMap<i64, Pin>)>) {
+    pub fn assign(&mut self, starts: Vec<(Start, RecordedPins)>) {
         for (start, pins) in starts {
             let p = start.partition;
             self.agg.forget(p);
@@ -423,91 +504,129 @@ impl Stages {
     /// not ours, and stale ones (at or below what was already taken in, fetched before a
     /// seek), are dropped.
     pub fn prepare(&mut self, records: Vec<Record>) -> Prepared {
+        let n = self.agg.batch_offsets();
         let mut items = Vec::with_capacity(records.len());
         for r in records {
-            let Some(reader) = self.readers.get_mut(&r.partition) else { continue };
+            let p = r.partition;
+            let Some(reader) = self.readers.get_mut(&p) else { continue };
             if r.offset <= reader.last {
                 continue;
             }
+            self.clocks.extend(reader.crossing(n, p, r.offset));
             reader.last = r.offset;
+            let clock_before = reader.clock;
             let clock = reader.clock.tick(r.timestamp_ms);
+            self.clocks.extend(reader.batch_end(n, p, r.offset));
             let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id);
             let warm = r.offset < reader.count_from;
             let generation = reader.generation;
-            items.push(Item { record: r, generation, clock, warm, fingerprint, verdict: None });
+            items.push(Item { record: r, generation, clock, clock_before, warm, fingerprint, verdict: None });
         }
         self.health.status().read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
-        let distrusted = self.lagging(&items);
+        self.record_lag(&items);
         let mut claims = Vec::new();
         let mut claimed = Vec::new();
+        let mut generations = Vec::new();
         for (idx, i) in items.iter_mut().enumerate() {
             let p = i.record.partition;
             let Some(fp) = i.fingerprint else { continue };
-            let reader = &self.readers[&p];
-            if distrusted.contains_key(&p) {
-                continue;
-            }
-            match reader.scope {
-                Scope::Private => {
-                    let pin = if i.warm { None } else { reader.pins.get(&i.record.offset).copied() };
-                    i.verdict = Some(self.private.sight(p, fp.0, i.clock, pin));
+            let o = i.record.offset;
+            let reader = self.readers.get_mut(&p).expect("items come from readers");
+            let pin = reader.pins.get(o);
+            if let Scope::Private { resume } = reader.scope {
+                if resume.is_some_and(|r| o >= r.shared_from()) {
+                    // The cache holds everything before this offset again: back to it.
+                    reader.scope = Scope::Shared { reread_until: None };
+                    self.private.forget(p);
+                    info!(partition = p, offset = o, "deciding through the dedup cache again");
+                } else {
+                    i.verdict = Some(self.private.sight(p, fp.0, i.clock, if i.warm { None } else { pin }));
+                    if resume.is_some_and(|r| r.fills_cache(o)) {
+                        // The cache's last warm-up did not get this far: finish it.
+                        let sighting = Sighting { partition: p, offset: o, clock: i.clock };
+                        claims.push(Claim { fingerprint: fp, sighting, mode: ClaimMode { pin, warm: true } });
+                        claimed.push(None);
+                        generations.push(i.generation);
+                    }
+                    continue;
                 }
-                Scope::Shared { .. } => {
-                    let mode = ClaimMode { pin: reader.pins.get(&i.record.offset).copied(), warm: i.warm };
-                    let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
-                    claims.push(Claim { fingerprint: fp, sighting, mode });
-                    claimed.push(idx);
-                }
             }
+            let mode = ClaimMode { pin, warm: i.warm };
+            let sighting = Sighting { partition: p, offset: o, clock: i.clock };
+            claims.push(Claim { fingerprint: fp, sighting, mode });
+            claimed.push(Some(idx));
+            generations.push(i.generation);
         }
-        Prepared { items, claims, claimed, distrusted }
+        Prepared { items, claims: ClaimBatch { claims, generations }, claimed }
     }
 
-    /// Partitions read from the shared cache whose first counted record lags the wall
-    /// clock by more than `dedup.max_record_lag`: the cache may have collected entries
-    /// they need.
-    fn lagging(&self, items: &[Item]) -> BTreeMap<i32, (Distrust, u64)> {
+    /// Records how far each partition's first counted record lags the wall clock.
+    fn record_lag(&self, items: &[Item]) {
         let now = chrono::Utc::now().timestamp().max(0) as u64;
-        let limit = self.max_record_lag.as_secs();
-        let mut out = BTreeMap::new();
         let mut seen = BTreeSet::new();
         for i in items.iter().filter(|i| !i.warm) {
             let p = i.record.partition;
-            if !seen.insert(p) {
-                continue;
-            }
-            let lag = now.saturating_sub(u64::from(i.clock));
-            metrics::gauge!(t::RECORD_LAG, "partition" => p.to_string()).set(lag as f64);
-            let shared = matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. }));
-            if shared && lag > limit {
-                out.insert(p, (Distrust::Lag, i.generation));
+            if seen.insert(p) {
+                let lag = now.saturating_sub(u64::from(i.clock));
+                metrics::gauge!(t::RECORD_LAG, "partition" => p.to_string()).set(lag as f64);
             }
         }
-        out
+    }
+
+    /// The holds the sweeper must respect: per partition read, its record time while it
+    /// lags the wall clock by more than half of `dedup.max_record_lag` and is behind the
+    /// log end (`behind`), `None` otherwise. A partition caught up with its log releases
+    /// its hold however old its last record is: its next records are new traffic.
+    pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
+        let now = chrono::Utc::now().timestamp().max(0) as u64;
+        let half = self.max_record_lag.as_secs() / 2;
+        self.readers
+            .iter()
+            .map(|(&p, r)| {
+                let clock = r.clock.now();
+                let lagging = now.saturating_sub(u64::from(clock)) > half && behind(p, r.last);
+                (p, lagging.then_some(clock))
+            })
+            .collect()
     }
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
     /// the claims), then the aggregator. Returns the partitions that stop trusting the
     /// cache; the caller falls them back to private state (`fall_back_to_private`).
-    pub fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> BTreeMap<i32, Distrust> {
-        let Prepared { mut items, claimed, mut distrusted, .. } = prepared;
+    pub fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> Applied {
+        let Prepared { mut items, claimed, .. } = prepared;
+        let mut distrusted: BTreeMap<i32, (Distrust, u64)> = BTreeMap::new();
+        // Per partition, the first sighting that must wait: (offset, clock before, generation).
+        let mut waits: BTreeMap<i32, (i64, PartitionClock, u64)> = BTreeMap::new();
         for (idx, v) in claimed.into_iter().zip(verdicts) {
+            let Some(idx) = idx else { continue };
             items[idx].verdict = Some(v);
-            if v == Verdict::Undecidable && !items[idx].warm {
-                let item = &items[idx];
-                distrusted.entry(item.record.partition).or_insert((Distrust::Undecidable, item.generation));
+            let item = &items[idx];
+            let p = item.record.partition;
+            if v == Verdict::Undecidable && !item.warm {
+                distrusted.entry(p).or_insert((Distrust::Undecidable, item.generation));
+            }
+            if v == Verdict::Wait {
+                waits.entry(p).or_insert((item.record.offset, item.clock_before, item.generation));
             }
         }
-        // A reader replaced since this batch was prepared has nothing to fall back.
-        distrusted.retain(|p, (_, generation)| self.readers.get(p).is_some_and(|r| r.generation == *generation));
+        // A reader replaced since this batch was prepared has nothing to fall back or rewind.
+        let current = |readers: &HashMap<i32, Reader>, p: &i32, generation: u64| {
+            readers.get(p).is_some_and(|r| r.generation == generation)
+        };
+        distrusted.retain(|p, (_, generation)| current(&self.readers, p, *generation));
         let distrusted: BTreeMap<i32, Distrust> = distrusted.into_iter().map(|(p, (why, _))| (p, why)).collect();
+        waits.retain(|p, (_, _, generation)| !distrusted.contains_key(p) && current(&self.readers, p, *generation));
+        let mut applied: BTreeMap<i32, i64> = BTreeMap::new();
         let mut stats = BatchStats::default();
         for i in items {
             let p = i.record.partition;
             let current = self.readers.get(&p).is_some_and(|r| r.generation == i.generation);
-            if !current || distrusted.contains_key(&p) {
+            let waiting = waits.get(&p).is_some_and(|&(from, _, _)| i.record.offset >= from);
+            if !current || distrusted.contains_key(&p) || waiting {
                 continue;
             }
+            applied.insert(p, i.record.offset);
             if i.warm {
                 stats.warmup += 1;
                 continue;
@@ -565,12 +684,32 @@ impl Stages {
         metrics::counter!(t::CROSS_PARTITION_DUPLICATES).increment(stats.cross_partition);
         metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
         self.totals.add(&stats);
-        distrusted
+        for (p, offset) in applied {
+            if let Some(reader) = self.readers.get_mut(&p) {
+                // Read past: a re-read starts a new reader, which loads its own.
+                reader.pins.pins = reader.pins.pins.split_off(&(offset + 1));
+            }
+        }
+        // A sighting that waits for other partitions' state to be rebuilt is read again,
+        // with everything after it in its partition: the reader goes back to just before it
+        // (a new generation, so that batches already prepared past it are dropped).
+        let mut rewinds = BTreeMap::new();
+        for (p, (from, clock_before, _)) in waits {
+            self.generation += 1;
+            let reader = self.readers.get_mut(&p).expect("checked current");
+            reader.last = from - 1;
+            reader.clock = clock_before;
+            reader.generation = self.generation;
+            metrics::counter!(t::DEDUP_WAITS).increment(1);
+            rewinds.insert(p, from);
+        }
+        Applied { fall_backs: distrusted, rewinds }
     }
 
     /// Stops deciding `partition` from the shared cache: its state so far (decided
     /// correctly) goes with the next flush, and it is read again from the start of its
-    /// open batch with state rebuilt from the log (`position::private_start`).
+    /// open batch with state rebuilt from the log (`position::private_start`), up to
+    /// where the cache can decide again.
     pub async fn fall_back_to_private<X: ConsumerContext>(
         &mut self,
         consumer: &impl Consumer<X>,
@@ -584,16 +723,26 @@ impl Stages {
         let n = self.agg.batch_offsets();
         let requested = BTreeMap::from([(partition, Some(from))]);
         let timeout = Duration::from_secs(10);
-        let marks =
-            tokio::task::block_in_place(|| source::marks(consumer, &self.topic, n, &requested, self.window, timeout))?;
-        let start = position::private_start(partition, marks[&partition]);
-        let pins = self.pins(partition, start.count_from, i64::MAX).await?;
+        let at = tokio::task::block_in_place(|| source::boundaries(consumer, &self.topic, n, &requested, timeout))?;
+        let marks = planner::marks(&self.sink, &self.topic, &at, self.window).await?;
+        let m = marks[&partition];
+        let frontiers = self.shared()?.frontiers(&[partition]).await?;
+        let (frontier, _) = position::merge_frontiers(frontiers.get(&partition).map_or(&[][..], Vec::as_slice), m);
+        let Some(f) = frontier else {
+            // The cache no longer knows the partition at all: it was lost.
+            let lost = crate::dedup::Lost { group: 0, why: "namespace".into(), detail: String::new() };
+            return Err(DedupError::Lost(lost).into());
+        };
+        let resume = position::Resume { claimed: f.claimed, exact_from: f.exact_from };
+        let start = position::private_start(partition, m, Some(resume));
+        let pins = self.pins_from(partition, start.read_from).await?;
         warn!(
             partition,
             reason = why.as_str(),
             count_from = start.count_from,
             read_from = start.read_from,
-            "the dedup cache cannot decide this partition; rebuilding its state from the log"
+            shared_from = resume.shared_from(),
+            "the dedup cache cannot decide this partition's re-read; rebuilding its state from the log up to where it can"
         );
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => why.as_str()).increment(1);
         self.private.forget(partition);
@@ -606,13 +755,80 @@ impl Stages {
         Ok(())
     }
 
-    /// Every cross-partition decision recorded for `partition` in `[from, to]`: durable
-    /// in ClickHouse, or still only in the cache when the flush that records it has not
-    /// happened yet (a re-read after a crash).
-    async fn pins(&mut self, partition: i32, from: i64, to: i64) -> Result<BTreeMap<i64, Pin>, PipelineError> {
-        let mut pins = self.sink.pins(&self.topic, partition, from, to).await?;
-        pins.extend(self.cache.cached_pins(partition, from, to).await?);
-        Ok(pins)
+    /// After the cache was lost (and renewed): every partition starts over as if just
+    /// assigned — its unflushed state dropped, its start planned again from its
+    /// committed offset, with a warm-up that rebuilds its state in the new namespace.
+    /// Cuts carried from fall-backs keep their rows but commit nothing.
+    pub async fn start_over<X: ConsumerContext>(&mut self, consumer: &impl Consumer<X>) -> Result<(), PipelineError> {
+        let partitions: Vec<i32> = self.partitions().collect();
+        self.carried.commits.clear();
+        let starts = tokio::task::block_in_place(|| Handle::current().block_on(self.plan_shared_starts(consumer, &partitions)))?;
+        let timeout = Duration::from_secs(10);
+        for (start, _) in &starts {
+            tokio::task::block_in_place(|| {
+                consumer.seek(&self.topic, start.partition, Offset::Offset(start.read_from), timeout)
+            })?;
+        }
+        self.assign(starts);
+        metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(partitions.len() as u64);
+        Ok(())
+    }
+
+    /// The shared cache handle the stages plan with (the member recovers through it).
+    pub fn cache(&mut self) -> &mut SharedCache {
+        self.cache.as_mut().expect("a member's stages have the shared cache")
+    }
+
+    fn shared(&mut self) -> Result<&mut SharedCache, PipelineError> {
+        self.cache.as_mut().ok_or_else(|| PipelineError::Fatal("a replay cannot use the shared cache".into()))
+    }
+
+    /// Loads the recorded pins of every reader that `records` take past what it holds:
+    /// the next window of offsets. Retries while ClickHouse or Redis is unavailable.
+    pub async fn ensure_pins(&mut self, records: &[Record], shutdown: &CancellationToken, max_backoff: Duration) -> Result<(), PipelineError> {
+        let mut needed: BTreeMap<i32, i64> = BTreeMap::new();
+        for r in records {
+            if let Some(reader) = self.readers.get(&r.partition) {
+                if r.offset > reader.pins.until && r.offset > reader.last {
+                    let at = needed.entry(r.partition).or_insert(r.offset);
+                    *at = (*at).max(r.offset);
+                }
+            }
+        }
+        for (p, beyond) in needed {
+            let from = self.readers[&p].pins.until + 1;
+            let to = beyond.max(from + self.pins_window() - 1);
+            let mut backoff = Backoff::new(max_backoff);
+            let loaded = loop {
+                match load_pins(&self.sink, self.cache.as_mut(), &self.topic, p, from, to).await {
+                    Ok(pins) => break pins,
+                    Err(e) if e.is_fatal() => return Err(e),
+                    Err(e) => {
+                        warn!(error = %e, partition = p, "loading recorded cross-partition decisions failed; retrying");
+                        if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
+                            return Err(PipelineError::ShutDown("loading recorded decisions".into()));
+                        }
+                    }
+                }
+            };
+            if let Some(reader) = self.readers.get_mut(&p) {
+                reader.pins.pins.extend(loaded);
+                reader.pins.until = to;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many offsets of pins a reader loads at a time.
+    fn pins_window(&self) -> i64 {
+        (self.agg.batch_offsets().get() as i64).saturating_mul(16).max(100_000)
+    }
+
+    /// The first window of pins for a reader starting at `from`.
+    async fn pins_from(&mut self, partition: i32, from: i64) -> Result<RecordedPins, PipelineError> {
+        let until = from + self.pins_window() - 1;
+        let pins = load_pins(&self.sink, self.cache.as_mut(), &self.topic, partition, from, until).await?;
+        Ok(RecordedPins { pins, until })
     }
 
     /// Cuts a flush of everything changed since the last cut: the rows, the dead
@@ -628,6 +844,7 @@ impl Stages {
         let buckets = all.rows.iter().filter(|r| r.grain == crate::aggregate::Grain::Minute).count();
         Job {
             flush: all,
+            clocks: std::mem::take(&mut self.clocks),
             dead_letters: std::mem::take(&mut self.rejected),
             freshness: std::mem::take(&mut self.freshness),
             buckets,
@@ -646,16 +863,34 @@ impl Stages {
 }
 
 impl Reader {
-    fn new(start: Start, pins: BTreeMap<i64, Pin>, generation: u64) -> Reader {
+    fn new(start: Start, pins: RecordedPins, generation: u64) -> Reader {
         Reader {
             generation,
             count_from: start.count_from,
-            clock: PartitionClock::at(start.clock),
+            clock: start.clock,
             scope: start.scope,
             pins,
             last: start.read_from - 1,
         }
     }
+}
+
+/// Every cross-partition decision recorded for `partition` in `[from, to]`: durable in
+/// ClickHouse, or still only in the cache when the flush that records it has not
+/// happened yet (a re-read after a crash; a member's only).
+async fn load_pins(
+    sink: &Sink,
+    cache: Option<&mut SharedCache>,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    to: i64,
+) -> Result<BTreeMap<i64, Pin>, PipelineError> {
+    let mut pins = sink.pins(topic, partition, from, to).await?;
+    if let Some(cache) = cache {
+        pins.extend(cache.cached_pins(partition, from, to).await?);
+    }
+    Ok(pins)
 }
 
 /// Runs a start-up step until it succeeds. Transient failures — a service still

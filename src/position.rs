@@ -1,4 +1,4 @@
-//! Where a reader starts in a partition (DESIGN.md §4 and §7).
+//! Where a reader starts in a partition (docs/DESIGN.md §3 and §6).
 //!
 //! Every reader counts from a batch boundary, so each batch it writes is rebuilt from
 //! its first offset. Before that boundary it may read a stretch of the log without
@@ -17,7 +17,7 @@
 //! `source` and `dedup`.
 
 use crate::aggregate::BatchOffsets;
-use crate::dedup::Secs;
+use crate::dedup::{PartitionClock, Secs};
 
 /// Where a reader starts one partition, and how it decides there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,9 +28,9 @@ pub struct Start {
     /// The first offset counted, a batch boundary; `[read_from, count_from)` only
     /// rebuilds dedup state.
     pub count_from: i64,
-    /// The partition clock just before `read_from` (`None`: reading from `read_from`
-    /// gives the exact clock, because every earlier record is stamped earlier).
-    pub clock: Option<Secs>,
+    /// The partition clock just before `read_from` (a recorded checkpoint, or a fresh
+    /// clock at the log start).
+    pub clock: PartitionClock,
     pub scope: Scope,
 }
 
@@ -39,20 +39,51 @@ pub struct Start {
 pub enum Scope {
     /// The shared cache in Redis; offsets up to `reread_until` were claimed before.
     Shared { reread_until: Option<i64> },
-    /// State rebuilt from the log by this reader alone.
-    Private,
+    /// State rebuilt from the log by this reader alone (a replay, reconcile: `resume`
+    /// is `None`), or by a member re-reading what the cache cannot decide, which
+    /// returns to the cache where it can ([`Resume`]).
+    Private { resume: Option<Resume> },
 }
 
-/// What the broker and the cache say about one partition.
+/// Where a member reading privately returns to the shared cache: what the cache said of
+/// the partition when the member left it. Offsets up to `claimed` are in the cache; the
+/// member decides them privately (every cross-partition decision among them is pinned,
+/// so its decisions are the ones made the first time). Offsets between `claimed` and
+/// `exact_from` are sightings the cache's last warm-up did not reach: the member
+/// decides them privately too and hands them to the cache as warm-up claims. From
+/// `max(claimed + 1, exact_from)` on the cache holds everything before, and the member
+/// decides through it again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resume {
+    pub claimed: i64,
+    pub exact_from: i64,
+}
+
+impl Resume {
+    /// The first offset decided through the shared cache again.
+    pub fn shared_from(self) -> i64 {
+        (self.claimed + 1).max(self.exact_from)
+    }
+
+    /// Whether a privately decided `offset` must also reach the cache as a warm-up claim.
+    pub fn fills_cache(self, offset: i64) -> bool {
+        offset > self.claimed && offset < self.exact_from
+    }
+}
+
+/// What the recorded clocks say about one partition, for a reader counting from
+/// `boundary` (`source::marks`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Marks {
     /// The batch boundary to count from.
     pub boundary: i64,
-    /// The partition clock just before `boundary`.
-    pub clock_before: Option<Secs>,
-    /// The first offset whose records can matter to dedup decisions from `boundary` on
-    /// (`source::lookback_starts`); `boundary` when none can.
-    pub lookback: i64,
+    /// The nearest recorded clock at or below `boundary`: its offset and the clock just
+    /// before it (the log start and a fresh clock when nothing is recorded).
+    pub near: (i64, PartitionClock),
+    /// Where reads that rebuild dedup state start, and the clock there: every record
+    /// before it has a record time more than a window before `boundary`. `near` when
+    /// nothing before `boundary` can matter.
+    pub lookback: (i64, PartitionClock),
 }
 
 /// The batch boundary a reader counts from when asked to start at `requested`: the
@@ -68,16 +99,11 @@ pub fn boundary(n: BatchOffsets, low: i64, high: i64, requested: Option<i64>) ->
     }
 }
 
-/// A reader with its own state: it reads the whole lookback.
-pub fn private_start(partition: i32, m: Marks) -> Start {
-    let warm = m.lookback < m.boundary;
-    Start {
-        partition,
-        read_from: m.lookback,
-        count_from: m.boundary,
-        clock: if warm { None } else { m.clock_before },
-        scope: Scope::Private,
-    }
+/// A reader with its own state: it reads the whole lookback; `resume` as in
+/// [`Scope::Private`].
+pub fn private_start(partition: i32, m: Marks, resume: Option<Resume>) -> Start {
+    let (read_from, clock) = m.lookback;
+    Start { partition, read_from, count_from: m.boundary, clock, scope: Scope::Private { resume } }
 }
 
 /// What the shared cache says of a partition (`dedup::SharedCache::frontiers`).
@@ -114,7 +140,7 @@ pub fn merge_frontiers(groups: &[Option<CacheFrontier>], m: Marks) -> (Option<Ca
     if known == 0 {
         return (None, false);
     }
-    let restarted = CacheFrontier { claimed: m.lookback - 1, clock: 0, exact_from: m.boundary };
+    let restarted = CacheFrontier { claimed: m.lookback.0 - 1, clock: 0, exact_from: m.boundary };
     let all = groups.iter().map(|g| g.unwrap_or(restarted));
     let lowest = all.clone().min_by_key(|f| f.claimed).expect("not empty");
     let exact_from = all.map(|f| f.exact_from).max().expect("not empty");
@@ -122,28 +148,21 @@ pub fn merge_frontiers(groups: &[Option<CacheFrontier>], m: Marks) -> (Option<Ca
 }
 
 /// A member using the shared cache, which says `frontier` of the partition. A boundary
-/// below where the cache is exact from cannot use it: the member rebuilds privately.
+/// below where the cache is exact from cannot use it: the member re-reads privately up
+/// to the frontier (its decisions there are the log's: pins cover every cross-partition
+/// one), then decides through the cache again.
 pub fn shared_start(partition: i32, m: Marks, frontier: Option<CacheFrontier>) -> Start {
-    if frontier.is_some_and(|f| m.boundary < f.exact_from) {
-        return private_start(partition, m);
+    if let Some(f) = frontier.filter(|f| m.boundary < f.exact_from) {
+        return private_start(partition, m, Some(Resume { claimed: f.claimed, exact_from: f.exact_from }));
     }
     let reread_until = frontier.map(|f| f.claimed).filter(|&f| f >= m.boundary);
-    let covered = m.lookback >= m.boundary || frontier.is_some_and(|f| f.claimed + 1 >= m.boundary);
-    if covered {
-        return Start {
-            partition,
-            read_from: m.boundary,
-            count_from: m.boundary,
-            clock: m.clock_before,
-            scope: Scope::Shared { reread_until },
-        };
-    }
-    // The cache lacks sightings between its frontier (or the lookback) and the boundary.
-    let (read_from, clock) = match frontier {
-        Some(f) if f.claimed + 1 > m.lookback => (f.claimed + 1, Some(f.clock)),
-        _ => (m.lookback, None),
-    };
-    Start { partition, read_from, count_from: m.boundary, clock, scope: Scope::Shared { reread_until: None } }
+    let covered = m.lookback.0 >= m.boundary || frontier.is_some_and(|f| f.claimed + 1 >= m.boundary);
+    // Covered: the cache holds every sighting before the boundary. The reader still
+    // starts at the nearest recorded clock, re-reading what lies between it and the
+    // boundary (claims at or below the frontier change nothing).
+    let (read_from, clock) = if covered { m.near } else { m.lookback };
+    let reread_until = if covered { reread_until } else { None };
+    Start { partition, read_from, count_from: m.boundary, clock, scope: Scope::Shared { reread_until } }
 }
 
 #[cfg(test)]
@@ -154,10 +173,19 @@ mod tests {
         BatchOffsets::new(v).unwrap()
     }
 
-    const M: Marks = Marks { boundary: 1_000, clock_before: Some(5_000), lookback: 400 };
+    fn clock(secs: Secs) -> PartitionClock {
+        PartitionClock::at(Some(secs))
+    }
 
-    fn at(claimed: i64, clock: Secs) -> Option<CacheFrontier> {
-        Some(CacheFrontier { claimed, clock, exact_from: 0 })
+    /// Counting from 1 000, the nearest recorded clock at 900, the lookback at 400.
+    const M: Marks = Marks {
+        boundary: 1_000,
+        near: (900, PartitionClock::from_parts(Some(4_900), None)),
+        lookback: (400, PartitionClock::from_parts(Some(3_000), None)),
+    };
+
+    fn at(claimed: i64, exact_from: i64) -> Option<CacheFrontier> {
+        Some(CacheFrontier { claimed, clock: 0, exact_from })
     }
 
     #[test]
@@ -170,38 +198,43 @@ mod tests {
     }
 
     #[test]
-    fn a_private_reader_reads_the_whole_lookback_and_takes_the_clock_from_it() {
-        let s = private_start(3, M);
-        assert_eq!((s.read_from, s.count_from, s.clock, s.scope), (400, 1_000, None, Scope::Private));
-        let quiet = Marks { lookback: 1_000, ..M };
-        assert_eq!(private_start(3, quiet).clock, Some(5_000), "nothing to read before: the clock is looked up");
+    fn a_private_reader_reads_the_whole_lookback_from_its_recorded_clock() {
+        let s = private_start(3, M, None);
+        assert_eq!((s.read_from, s.count_from, s.clock), (400, 1_000, clock(3_000)));
+        assert_eq!(s.scope, Scope::Private { resume: None });
     }
 
     #[test]
-    fn a_cache_whose_frontier_reaches_the_boundary_needs_no_warm_up() {
-        let s = shared_start(0, M, at(999, 5_000));
-        assert_eq!((s.read_from, s.clock, s.scope), (1_000, Some(5_000), Scope::Shared { reread_until: None }));
-        let ahead = shared_start(0, M, at(1_733, 5_100));
-        assert_eq!((ahead.read_from, ahead.scope), (1_000, Scope::Shared { reread_until: Some(1_733) }));
+    fn a_cache_whose_frontier_reaches_the_boundary_needs_no_warm_up_but_the_nearest_clock() {
+        let s = shared_start(0, M, at(999, 0));
+        assert_eq!((s.read_from, s.clock, s.scope), (900, clock(4_900), Scope::Shared { reread_until: None }));
+        let ahead = shared_start(0, M, at(1_733, 0));
+        assert_eq!((ahead.read_from, ahead.scope), (900, Scope::Shared { reread_until: Some(1_733) }));
     }
 
     #[test]
-    fn a_cache_behind_the_boundary_is_warmed_up_from_its_frontier_or_the_lookback() {
-        let s = shared_start(0, M, at(700, 4_800));
-        assert_eq!((s.read_from, s.count_from, s.clock), (701, 1_000, Some(4_800)));
-        let far_behind = shared_start(0, M, at(100, 4_000));
-        assert_eq!((far_behind.read_from, far_behind.clock), (400, None));
-        let lost = shared_start(0, M, None);
-        assert_eq!((lost.read_from, lost.clock), (400, None));
-        assert_eq!(lost.scope, Scope::Shared { reread_until: None });
+    fn a_cache_behind_the_boundary_is_warmed_up_from_the_lookback() {
+        for frontier in [at(700, 0), at(100, 0), None] {
+            let s = shared_start(0, M, frontier);
+            assert_eq!((s.read_from, s.count_from, s.clock), (400, 1_000, clock(3_000)), "{frontier:?}");
+            assert_eq!(s.scope, Scope::Shared { reread_until: None });
+        }
     }
 
     #[test]
-    fn a_boundary_below_where_a_rebuilt_cache_is_exact_is_read_privately() {
-        let rebuilt = Some(CacheFrontier { claimed: 1_500, clock: 5_200, exact_from: 1_200 });
-        assert_eq!(shared_start(0, M, rebuilt), private_start(0, M));
+    fn a_boundary_below_where_a_rebuilt_cache_is_exact_is_read_privately_until_the_cache_can_decide() {
+        let s = shared_start(0, M, at(1_500, 1_200));
+        let resume = Resume { claimed: 1_500, exact_from: 1_200 };
+        assert_eq!(s, private_start(0, M, Some(resume)));
+        assert_eq!(resume.shared_from(), 1_501);
+        assert!(!resume.fills_cache(1_300));
+        // A warm-up that stopped at 1 049 of the 1 100 it was rebuilding up to: the
+        // private reader finishes it, then decides through the cache from 1 100.
+        let unfinished = Resume { claimed: 1_049, exact_from: 1_100 };
+        assert_eq!(unfinished.shared_from(), 1_100);
+        assert!(unfinished.fills_cache(1_050) && unfinished.fills_cache(1_099) && !unfinished.fills_cache(1_049));
         let later = Marks { boundary: 1_200, ..M };
-        assert!(matches!(shared_start(0, later, rebuilt).scope, Scope::Shared { .. }));
+        assert!(matches!(shared_start(0, later, at(1_500, 1_200)).scope, Scope::Shared { .. }));
     }
 
     #[test]
@@ -220,14 +253,15 @@ mod tests {
         assert_eq!(shared_start(0, M, lost.0).read_from, 400);
         // ...unless another group is exact only from beyond the boundary: private.
         let stricter = merge_frontiers(&[f(1_200, 1_100), None], M).0;
-        assert_eq!(shared_start(0, M, stricter), private_start(0, M));
+        assert!(matches!(shared_start(0, M, stricter).scope, Scope::Private { .. }));
     }
 
     #[test]
     fn nothing_within_the_window_before_the_boundary_means_nothing_to_warm_up() {
-        let fresh_topic = Marks { boundary: 0, clock_before: None, lookback: 0 };
+        let fresh = PartitionClock::default();
+        let fresh_topic = Marks { boundary: 0, near: (0, fresh), lookback: (0, fresh) };
         assert_eq!(shared_start(0, fresh_topic, None).read_from, 0);
-        let quiet = Marks { lookback: 1_000, ..M };
+        let quiet = Marks { lookback: (1_000, clock(4_990)), near: (1_000, clock(4_990)), ..M };
         assert_eq!(shared_start(0, quiet, None).read_from, 1_000);
     }
 }

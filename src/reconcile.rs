@@ -17,11 +17,10 @@ use clap::Args;
 use rdkafka::consumer::BaseConsumer;
 use tracing::info;
 
-use crate::aggregate::{BatchOffsets, BucketKey};
+use crate::aggregate::BucketKey;
 use crate::click::Minute;
 use crate::config::Settings;
 use crate::dedup::{PartitionClock, Pin, PrivateScope};
-use crate::position;
 use crate::replay::parse_time_ms;
 use crate::sink::Sink;
 use crate::source::{self, RangeReader, Ranges};
@@ -82,17 +81,32 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     let scan_from = i64::from(from.epoch_seconds()) * 1000 - s.validation.max_future_skew.as_millis() as i64 - margin;
     let scan_to = i64::from(to.epoch_seconds()) * 1000 + s.validation.max_lateness.as_millis() as i64 + margin;
     let settings = s.clone();
-    let (scan, read) = tokio::task::spawn_blocking(move || scan_ranges(&settings, scan_from, scan_to)).await??;
+    let (scan, lows) = tokio::task::spawn_blocking(move || scan_ranges(&settings, scan_from, scan_to)).await??;
+    let sink = Sink::new(&s.clickhouse);
+    // Read from the lookback of each scanned range's batch boundary, with the clock
+    // recorded there (`planner`).
+    let n = s.batch_offsets();
+    let at = scan
+        .partitions
+        .iter()
+        .map(|(&p, &(start, _))| {
+            (p, crate::planner::Boundary { boundary: n.start_of(start).max(lows[&p]), low: lows[&p] })
+        })
+        .collect();
+    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
+    let marks = crate::planner::marks(&sink, &s.kafka.topic, &at, window).await?;
+    let read = Ranges {
+        partitions: scan.partitions.iter().map(|(&p, &(start, end))| (p, (marks[&p].lookback.0.min(start), end))).collect(),
+    };
     info!(records = scan.records(), warmup = read.records() - scan.records(), "reconcile: scanning the topic");
 
-    let sink = Sink::new(&s.clickhouse);
     let mut pins: BTreeMap<i32, BTreeMap<i64, Pin>> = BTreeMap::new();
     for (&p, &(start, end)) in &scan.partitions {
         pins.insert(p, sink.pins(&s.kafka.topic, p, start, end - 1).await?);
     }
     let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
     let mut scope = PrivateScope::new(window);
-    let mut clocks: BTreeMap<i32, PartitionClock> = BTreeMap::new();
+    let mut clocks: BTreeMap<i32, PartitionClock> = marks.iter().map(|(&p, m)| (p, m.lookback.1)).collect();
     let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
     let (mut scanned, mut warmup) = (0u64, 0u64);
     let group = format!("{}-reconcile", s.kafka.group);
@@ -127,9 +141,8 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
 }
 
 /// The offsets whose record timestamps fall in `[from_ms, to_ms)` (by the broker's
-/// time index), per partition; and the ranges to read, which start earlier by the
-/// lookback that rebuilds the dedup state (`position`).
-fn scan_ranges(s: &Settings, from_ms: i64, to_ms: i64) -> Result<(Ranges, Ranges)> {
+/// time index), per partition, and each partition's log start.
+fn scan_ranges(s: &Settings, from_ms: i64, to_ms: i64) -> Result<(Ranges, BTreeMap<i32, i64>)> {
     let consumer: BaseConsumer = source::lookup_consumer(&s.kafka)?;
     let topic = &s.kafka.topic;
     let timeout = Duration::from_secs(15);
@@ -138,26 +151,15 @@ fn scan_ranges(s: &Settings, from_ms: i64, to_ms: i64) -> Result<(Ranges, Ranges
     let ends: BTreeMap<i32, Option<i64>> =
         source::offsets_for_time(&consumer, topic, &parts, to_ms, timeout)?.into_iter().collect();
     let mut scan = Ranges::default();
+    let mut lows = BTreeMap::new();
     for (p, start) in starts {
         let (low, high) = rdkafka::consumer::Consumer::fetch_watermarks(&consumer, topic, p, timeout)?;
         let start = start.unwrap_or(high).max(low);
         let end = ends.get(&p).copied().flatten().unwrap_or(high).min(high);
         scan.partitions.insert(p, (start, end.max(start)));
+        lows.insert(p, low);
     }
-    // Any offset is a boundary of one-offset batches: the recount needs no batches.
-    let one = BatchOffsets::new(1).expect("1 > 0");
-    let boundaries =
-        scan.partitions.iter().map(|(&p, &(start, _))| (p, position::boundary(one, start, start, None))).collect();
-    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
-    let marks = source::marks_at(&consumer, topic, &boundaries, window, timeout)?;
-    let read = Ranges {
-        partitions: scan
-            .partitions
-            .iter()
-            .map(|(&p, &(start, end))| (p, (marks[&p].lookback.min(start), end)))
-            .collect(),
-    };
-    Ok((scan, read))
+    Ok((scan, lows))
 }
 
 impl Report {

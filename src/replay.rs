@@ -1,7 +1,7 @@
 //! `clickagg replay`: backfill by re-reading a range of the topic through the same
 //! stages as the live pipeline (decode → dead letters → dedup → aggregate → flush).
 //!
-//! Why a replay changes no correct count (DESIGN.md §4 and §7): each partition counts
+//! Why a replay changes no correct count (docs/DESIGN.md §5 and §6): each partition counts
 //! from a batch boundary (the requested offset rounded down), so every batch is rebuilt
 //! from its first offset; and every dedup decision is a function of the log: the replay
 //! rebuilds its own dedup state by first reading, without counting, the window of record
@@ -27,10 +27,9 @@ use tracing::info;
 use crate::aggregate::BatchOffsets;
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::Pin;
 use crate::flusher::{Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{BatchStats, FatalSignal, Stages, StagesConfig};
+use crate::pipeline::{BatchStats, FatalSignal, RecordedPins, Stages, StagesConfig};
 use crate::position::{self, Start};
 use crate::sink::Sink;
 use crate::sink::Writer;
@@ -136,9 +135,8 @@ pub struct Plan {
     pub read: Ranges,
 }
 
-/// Asks the broker for watermarks, time-based offsets and the lookback before each
-/// boundary, then plans the replay.
-pub fn resolve(s: &Settings, from: &StartAt, to: StopAt) -> Result<Plan> {
+/// The offsets a replay counts, and each partition's log start, from the broker.
+fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Ranges, BTreeMap<i32, i64>)> {
     let consumer: BaseConsumer = source::lookup_consumer(&s.kafka)?;
     let topic = &s.kafka.topic;
     let timeout = Duration::from_secs(15);
@@ -164,28 +162,7 @@ pub fn resolve(s: &Settings, from: &StartAt, to: StopAt) -> Result<Plan> {
         marks.insert(p, PartitionMarks { low, high, from, to: to_offsets.get(&p).copied().flatten() });
     }
     let counted = plan_ranges(s.batch_offsets(), &marks);
-    let boundaries = counted.partitions.iter().map(|(&p, &(start, _))| (p, start)).collect();
-    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
-    let lookbacks = source::marks_at(&consumer, topic, &boundaries, window, timeout)?;
-    let starts: Vec<Start> = lookbacks.iter().map(|(&p, &m)| position::private_start(p, m)).collect();
-    for st in &starts {
-        let low = marks[&st.partition].low;
-        if st.read_from == low && low > 0 && st.read_from < st.count_from {
-            tracing::warn!(
-                partition = st.partition,
-                log_start = low,
-                "retention removed part of the window before the replayed range: a retry whose original \
-                 was deleted counts as a new click"
-            );
-        }
-    }
-    let read = Ranges {
-        partitions: starts
-            .iter()
-            .map(|st| (st.partition, (st.read_from, counted.partitions[&st.partition].1)))
-            .collect(),
-    };
-    Ok(Plan { starts, counted, read })
+    Ok((counted, marks.iter().map(|(&p, m)| (p, m.low)).collect()))
 }
 
 /// What a replay did.
@@ -219,6 +196,11 @@ impl Summary {
 }
 
 /// Runs the replay to its end (or until `shutdown`, after a final flush).
+///
+/// Every range is decided under the settings version the topic records for it
+/// (`clickagg settings`): the window and validation limits of that version, whatever
+/// this invocation's configuration says, so a backfill writes the rows the members
+/// wrote. A range that crosses a settings change is replayed in one pass per version.
 pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken) -> Result<Summary> {
     let from: StartAt = args.from.parse().map_err(anyhow::Error::msg)?;
     let to: StopAt = args.to.parse().map_err(anyhow::Error::msg)?;
@@ -229,17 +211,99 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
     })
     .await?;
-
+    let history = crate::pipeline::until_done("reading the recorded dedup settings", s.pipeline.max_backoff, &shutdown, || async {
+        Ok(ch.register_rules(&s.kafka.topic, &s.rules(), None).await?)
+    })
+    .await?;
     let settings = s.clone();
-    let plan = tokio::task::spawn_blocking(move || resolve(&settings, &from, to)).await??;
+    let (counted, lows) = tokio::task::spawn_blocking(move || counted_ranges(&settings, &from, to)).await??;
+
+    let mut summary = Summary { ranges: counted.clone(), ..Summary::default() };
+    for (i, version) in history.versions.iter().enumerate() {
+        let next = history.versions.get(i + 1);
+        let from_of = |v: &crate::sink::RulesVersion, p: i32| {
+            if v.version == 1 {
+                0
+            } else {
+                v.effective.get(&p).copied().unwrap_or(0)
+            }
+        };
+        let mut part = Ranges::default();
+        for (&p, &(start, end)) in &counted.partitions {
+            let lo = start.max(from_of(version, p));
+            let hi = end.min(next.map_or(i64::MAX, |n| from_of(n, p)));
+            if lo < hi || (history.versions.len() == 1 && start == end) {
+                part.partitions.insert(p, (lo, hi.max(lo)));
+            }
+        }
+        if part.partitions.is_empty() {
+            continue;
+        }
+        let under = settings_of(s, &version.rules);
+        if history.versions.len() > 1 || !s.rules().differences(&version.rules).is_empty() {
+            info!(version = version.version, ranges = ?part.partitions, "replaying under the settings the topic records for these ranges");
+        }
+        let plan = plan_starts(&under, &sink, part, &lows).await?;
+        let done = run_plan(&under, &sink, plan, args, &shutdown).await?;
+        summary.stats.add(&done.stats);
+        summary.rows_written += done.rows_written;
+        if shutdown.is_cancelled() {
+            break;
+        }
+    }
+    summary.elapsed = started.elapsed();
+    Ok(summary)
+}
+
+/// `s` with the window and validation limits of recorded `rules` (the fingerprint key
+/// and shard count only shape the cache, which a replay does not use).
+fn settings_of(s: &Settings, rules: &crate::dedup::Rules) -> Settings {
+    let mut under = s.clone();
+    under.dedup.window = Some(Duration::from_secs(rules.window_secs));
+    under.validation.max_payload_bytes = rules.max_payload_bytes as usize;
+    under.validation.max_click_id_len = rules.max_click_id_len as usize;
+    under.validation.max_future_skew = Duration::from_secs(rules.max_future_skew_secs);
+    under.validation.max_lateness = Duration::from_secs(rules.max_lateness_secs);
+    under
+}
+
+/// Where each partition's reader starts to count `counted` (`planner`): from its batch
+/// boundary, after the warm-up that rebuilds its dedup state.
+async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap<i32, i64>) -> Result<Plan> {
+    let at = counted
+        .partitions
+        .iter()
+        .map(|(&p, &(start, _))| (p, crate::planner::Boundary { boundary: start, low: lows[&p] }))
+        .collect();
+    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
+    let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window).await?;
+    let starts: Vec<Start> = marks.iter().map(|(&p, &m)| position::private_start(p, m, None)).collect();
+    for st in &starts {
+        let low = lows[&st.partition];
+        if st.read_from == low && low > 0 && st.read_from < st.count_from {
+            tracing::warn!(
+                partition = st.partition,
+                log_start = low,
+                "retention removed part of the window before the replayed range: a retry whose original \
+                 was deleted counts as a new click"
+            );
+        }
+    }
+    let read = Ranges {
+        partitions: starts
+            .iter()
+            .map(|st| (st.partition, (st.read_from, counted.partitions[&st.partition].1)))
+            .collect(),
+    };
+    Ok(Plan { starts, counted, read })
+}
+
+/// Reads one plan through the stages and the flusher (no commits) to its end.
+async fn run_plan(s: &Settings, sink: &Sink, plan: Plan, args: &ReplayArgs, shutdown: &CancellationToken) -> Result<Summary> {
     let Plan { starts, counted: ranges, read } = plan;
     info!(ranges = ?ranges.partitions, records = ranges.records(), warmup = read.records() - ranges.records(), "replay planned");
-    let mut with_pins: Vec<(Start, BTreeMap<i64, Pin>)> = Vec::new();
-    for st in starts {
-        let end = ranges.partitions[&st.partition].1;
-        let pins = sink.pins(&s.kafka.topic, st.partition, st.count_from, end - 1).await?;
-        with_pins.push((st, pins));
-    }
+    // Pins are loaded a window at a time as the readers advance (`Stages::ensure_pins`).
+    let with_pins: Vec<(Start, RecordedPins)> = starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect();
     let dead_letters = if s.dead_letter.enabled && !args.no_dead_letters {
         let topic = s.dead_letter_topic();
         source::ensure_topic(&s.kafka, &topic, 1).await?;
@@ -260,8 +324,8 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         max_backoff: s.pipeline.max_backoff,
         fatal: fatal.clone(),
     });
-    // The shared cache is never consulted: every start is private (it connects lazily).
-    let mut stages = Stages::new(StagesConfig::from_settings(s), s.shared_cache()?, sink, health);
+    // No shared cache: every reader of a replay is private, and nothing of it touches Redis.
+    let mut stages = Stages::new(StagesConfig::from_settings(s), None, sink.clone(), health);
     stages.assign(with_pins);
 
     let group = format!("{}-replay", s.kafka.group);
@@ -276,6 +340,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         };
         let Some(records) = batch else { break };
         // Private state only: every verdict is made in `prepare`, none comes from Redis.
+        stages.ensure_pins(&records, shutdown, s.pipeline.max_backoff).await?;
         let prepared = stages.prepare(records);
         stages.apply(prepared, Vec::new());
         if stages.has_complete_batches() || last_flush.elapsed() >= s.pipeline.flush_interval {
@@ -295,7 +360,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         bail!(message);
     }
     progress.finish();
-    Ok(Summary { ranges, stats: stages.totals, rows_written: flusher.rows_flushed(), elapsed: started.elapsed() })
+    Ok(Summary { ranges, stats: stages.totals, rows_written: flusher.rows_flushed(), elapsed: Duration::ZERO })
 }
 
 /// A bar per partition with ETA on a terminal; a log line every 5 s otherwise.

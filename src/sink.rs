@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use crate::aggregate::{BatchRow, BucketKey, Grain, PinRow};
 use crate::click::Minute;
 use crate::config::ClickHouseSettings;
-use crate::dedup::Pin;
+use crate::dedup::{Checkpoint, PartitionClock, Pin};
 
 pub const TABLE: &str = "ad_clicks_minute";
 
@@ -26,6 +26,8 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("003_clickagg_pins.sql", include_str!("../sql/003_clickagg_pins.sql")),
     ("004_ad_clicks_rollups.sql", include_str!("../sql/004_ad_clicks_rollups.sql")),
     ("005_clickagg_backfills.sql", include_str!("../sql/005_clickagg_backfills.sql")),
+    ("006_clickagg_clocks.sql", include_str!("../sql/006_clickagg_clocks.sql")),
+    ("007_clickagg_settings.sql", include_str!("../sql/007_clickagg_settings.sql")),
 ];
 
 /// On a ClickHouse cluster, how the rows of each table the migrations create are spread
@@ -41,6 +43,8 @@ pub const SHARDING: &[(&str, &str)] = &[
     ("clickagg_pins", "cityHash64(topic, partition)"),
     ("clickagg_topics", "cityHash64(topic)"),
     ("clickagg_backfills", "cityHash64(name)"),
+    ("clickagg_clocks", "cityHash64(topic, partition)"),
+    ("clickagg_settings", "cityHash64(topic)"),
 ];
 
 /// The table and time column of each grain.
@@ -263,6 +267,52 @@ struct PinOut<'a> {
     verdict: u8,
 }
 
+#[derive(Row, Serialize)]
+struct ClockRow<'a> {
+    topic: &'a str,
+    partition: u32,
+    boundary: u64,
+    clock: u32,
+    has_clock: u8,
+    pending: u32,
+    has_pending: u8,
+}
+
+impl<'a> ClockRow<'a> {
+    fn of(topic: &'a str, c: &Checkpoint) -> ClockRow<'a> {
+        ClockRow {
+            topic,
+            partition: c.partition as u32,
+            boundary: c.boundary as u64,
+            clock: c.clock.get().unwrap_or(0),
+            has_clock: u8::from(c.clock.get().is_some()),
+            pending: c.clock.pending().unwrap_or(0),
+            has_pending: u8::from(c.clock.pending().is_some()),
+        }
+    }
+}
+
+#[derive(Row, Deserialize)]
+struct ClockIn {
+    #[allow(dead_code)] // selected so the row reads the same as it is written
+    partition: u32,
+    boundary: u64,
+    clock: u32,
+    has_clock: u8,
+    pending: u32,
+    has_pending: u8,
+}
+
+impl ClockIn {
+    fn checkpoint(self) -> (i64, PartitionClock) {
+        let clock = PartitionClock::from_parts(
+            (self.has_clock == 1).then_some(self.clock),
+            (self.has_pending == 1).then_some(self.pending),
+        );
+        (self.boundary as i64, clock)
+    }
+}
+
 #[derive(Row, Deserialize)]
 struct BillingRow {
     ad_id: u64,
@@ -278,6 +328,42 @@ pub struct LastFlush {
     pub through_offset: i64,
     /// When that flush's rows were written, server time (Unix s).
     pub written_at: u32,
+}
+
+/// One recorded settings version of a topic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RulesVersion {
+    pub version: u32,
+    pub rules: crate::dedup::Rules,
+    /// Per partition, the first offset decided under this version (a batch boundary);
+    /// version 1 holds from the start of every partition.
+    pub effective: BTreeMap<i32, i64>,
+    /// The Kafka topic's ID when this version was recorded.
+    pub topic_id: Option<String>,
+}
+
+/// The settings versions of a topic, oldest first.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RulesHistory {
+    pub versions: Vec<RulesVersion>,
+    /// How old (server seconds) the first registration is.
+    pub first_age_secs: Option<i64>,
+}
+
+impl RulesHistory {
+    pub fn latest(&self) -> Option<&RulesVersion> {
+        self.versions.last()
+    }
+
+    /// The version that decides `offset` of `partition`.
+    pub fn at(&self, partition: i32, offset: i64) -> Option<&RulesVersion> {
+        self.versions.iter().rev().find(|v| v.version == 1 || v.effective.get(&partition).is_none_or(|&e| offset >= e))
+    }
+
+    /// Where the latest version starts deciding `partition` (0: from the start).
+    pub fn latest_from(&self, partition: i32) -> i64 {
+        self.latest().filter(|v| v.version > 1).and_then(|v| v.effective.get(&partition).copied()).unwrap_or(0)
+    }
 }
 
 /// Billing counts per bucket, as read through `FINAL`.
@@ -490,6 +576,72 @@ impl Sink {
         Ok(rows.into_iter().filter_map(|r| Some((r.offset as i64, Pin::from_code(r.verdict)?))).collect())
     }
 
+    /// Records partition clocks at batch boundaries. Idempotent: every reader that
+    /// crosses a boundary computes the same clock there.
+    pub async fn insert_clocks(&self, topic: &str, clocks: &[Checkpoint]) -> Result<(), SinkError> {
+        if clocks.is_empty() {
+            return Ok(());
+        }
+        let write = async {
+            let mut insert = self.client.insert::<ClockRow>("clickagg_clocks").await?;
+            for c in clocks {
+                insert.write(&ClockRow::of(topic, c)).await?;
+            }
+            insert.end().await
+        };
+        self.timed(write).await
+    }
+
+    /// The recorded clock at the highest boundary of `partition` in `[low, at]`.
+    pub async fn clock_at_or_below(
+        &self,
+        topic: &str,
+        partition: i32,
+        low: i64,
+        at: i64,
+    ) -> Result<Option<(i64, PartitionClock)>, SinkError> {
+        self.checkpoint(topic, partition, low, at, None).await
+    }
+
+    /// The recorded clock at the highest boundary of `partition` in `[low, at]` before
+    /// which every record's time lies below `below` (a lookback: nothing before it can
+    /// matter to decisions at or after `below` + the window).
+    pub async fn clock_before_time(
+        &self,
+        topic: &str,
+        partition: i32,
+        low: i64,
+        at: i64,
+        below: u32,
+    ) -> Result<Option<(i64, PartitionClock)>, SinkError> {
+        self.checkpoint(topic, partition, low, at, Some(below)).await
+    }
+
+    async fn checkpoint(
+        &self,
+        topic: &str,
+        partition: i32,
+        low: i64,
+        at: i64,
+        below: Option<u32>,
+    ) -> Result<Option<(i64, PartitionClock)>, SinkError> {
+        if at < low.max(0) {
+            return Ok(None);
+        }
+        let time = if below.is_some() { "AND (has_clock = 0 OR clock < ?)" } else { "" };
+        let sql = format!(
+            "SELECT partition, boundary, clock, has_clock, pending, has_pending FROM clickagg_clocks \
+             WHERE topic = ? AND partition = ? AND boundary >= ? AND boundary <= ? {time} \
+             ORDER BY boundary DESC LIMIT 1"
+        );
+        let mut q = self.client.query(&sql).bind(topic).bind(partition as u32).bind(low.max(0) as u64).bind(at as u64);
+        if let Some(b) = below {
+            q = q.bind(b);
+        }
+        let rows: Vec<ClockIn> = self.timed(q.fetch_all::<ClockIn>()).await?;
+        Ok(rows.into_iter().next().map(|r| r.checkpoint()))
+    }
+
     /// Writes one flush. Idempotent: the rows carry their batch ID and version.
     /// Rows of every grain go to their table: the roll-ups first, the minute rows last,
     /// so that once the minute rows are there, so is everything derived from them.
@@ -571,6 +723,90 @@ impl Sink {
             ))),
             None => Err(SinkError::Transient(format!("the registration of {topic:?} is not visible yet"))),
         }
+    }
+
+    /// The settings versions recorded for `topic`, oldest first ([`RulesHistory`]); when
+    /// none is recorded yet, `ours` becomes version 1 (with the topic's ID). Members
+    /// racing on a new topic all read the same winner: the earliest registration (ties:
+    /// the smaller JSON), decided once it is [`REGISTRATION_SETTLE_SECS`] old.
+    pub async fn register_rules(
+        &self,
+        topic: &str,
+        ours: &crate::dedup::Rules,
+        topic_id: Option<&str>,
+    ) -> Result<RulesHistory, SinkError> {
+        let mut history = self.rules_history(topic).await?;
+        if history.versions.is_empty() {
+            self.record_rules(topic, 1, ours, &BTreeMap::new(), topic_id.unwrap_or_default()).await?;
+            history = self.rules_history(topic).await?;
+        }
+        while let Some(age) = history.first_age_secs.filter(|&a| a < REGISTRATION_SETTLE_SECS) {
+            tokio::time::sleep(Duration::from_secs((REGISTRATION_SETTLE_SECS - age.max(0)) as u64)).await;
+            history = self.rules_history(topic).await?;
+        }
+        if history.versions.is_empty() {
+            return Err(SinkError::Transient(format!("the settings registration of {topic:?} is not visible yet")));
+        }
+        Ok(history)
+    }
+
+    /// Records a settings version of `topic`.
+    pub async fn record_rules(
+        &self,
+        topic: &str,
+        version: u32,
+        rules: &crate::dedup::Rules,
+        effective: &BTreeMap<i32, i64>,
+        topic_id: &str,
+    ) -> Result<(), SinkError> {
+        let rules = serde_json::to_string(rules).expect("rules serialize");
+        let effective = serde_json::to_string(effective).expect("offsets serialize");
+        let sql = "INSERT INTO clickagg_settings (topic, version, rules, effective, topic_id) VALUES (?, ?, ?, ?, ?)";
+        self.timed(
+            self.client.query(sql).bind(topic).bind(version).bind(rules).bind(effective).bind(topic_id).execute(),
+        )
+        .await
+    }
+
+    /// Every settings version recorded for `topic`; of racing registrations of one
+    /// version, the earliest (ties: the smaller JSON).
+    pub async fn rules_history(&self, topic: &str) -> Result<RulesHistory, SinkError> {
+        #[derive(Row, Deserialize)]
+        struct R {
+            version: u32,
+            rules: String,
+            effective: String,
+            topic_id: String,
+            age_secs: i64,
+        }
+        let rows: Vec<R> = self
+            .timed(
+                self.client
+                    .query(
+                        "SELECT version, rules, effective, topic_id, toInt64(now()) - toInt64(registered_at) AS age_secs \
+                         FROM clickagg_settings WHERE topic = ? ORDER BY version, registered_at, rules",
+                    )
+                    .bind(topic)
+                    .fetch_all::<R>(),
+            )
+            .await?;
+        let mut history = RulesHistory::default();
+        for r in rows {
+            if history.versions.last().is_some_and(|v| v.version == r.version) {
+                continue;
+            }
+            let bad = |what: &str, e: serde_json::Error| {
+                SinkError::Fatal(format!("clickagg_settings of {topic:?}, version {}: unreadable {what}: {e}", r.version))
+            };
+            history.first_age_secs.get_or_insert(r.age_secs);
+            history.versions.push(RulesVersion {
+                version: r.version,
+                rules: serde_json::from_str(&r.rules).map_err(|e| bad("rules", e))?,
+                effective: serde_json::from_str(&r.effective).map_err(|e| bad("offsets", e))?,
+                topic_id: Some(r.topic_id).filter(|id| !id.is_empty()),
+            });
+        }
+        Ok(history)
     }
 
     /// The highest batch start stored per partition of `topic`: the guard against a
@@ -966,7 +1202,9 @@ mod tests {
                 "`db`.clickagg_pins",
                 "`db`.ad_clicks_hour",
                 "`db`.ad_clicks_day",
-                "`db`.clickagg_backfills"
+                "`db`.clickagg_backfills",
+                "`db`.clickagg_clocks",
+                "`db`.clickagg_settings"
             ]
         );
         for grain in Grain::ALL {

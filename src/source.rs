@@ -20,7 +20,7 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::click::{decode_with, Click, Limits, Rejection};
 use crate::config::KafkaSettings;
-use crate::dedup::{Fingerprint, Fingerprinter, Secs};
+use crate::dedup::{Fingerprint, Fingerprinter};
 
 /// Consumer properties exactly-once depends on, set here and nowhere else: an override
 /// in `kafka.properties` is refused at start-up. `isolation.level` keeps aborted
@@ -111,6 +111,25 @@ unsafe fn header_pairs(headers: *const rdkafka::bindings::rd_kafka_headers_t) ->
         out.push((key, value));
     }
     out
+}
+
+/// The high watermark of `partition` as the consumer last heard it from the broker (no
+/// request is sent): whether a reader is caught up, cheaply.
+pub fn cached_high_watermark<X: ConsumerContext>(consumer: &impl Consumer<X>, topic: &str, partition: i32) -> Option<i64> {
+    let topic = std::ffi::CString::new(topic).ok()?;
+    let (mut low, mut high) = (-1i64, -1i64);
+    // SAFETY: the client pointer is live as long as `consumer`; librdkafka only reads the
+    // topic name and writes the two offsets.
+    let err = unsafe {
+        rdkafka::bindings::rd_kafka_get_watermark_offsets(
+            consumer.client().native_ptr(),
+            topic.as_ptr(),
+            partition,
+            &mut low,
+            &mut high,
+        )
+    };
+    (err == rdkafka::bindings::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR && high >= 0).then_some(high)
 }
 
 /// Kafka errors that no retry can fix.
@@ -260,7 +279,11 @@ pub async fn ensure_topic(k: &KafkaSettings, topic: &str, partitions: i32) -> Re
 }
 
 /// The partitions of `topic`, from the broker's metadata.
-pub fn partitions<C: Consumer>(consumer: &C, topic: &str, timeout: Duration) -> Result<Vec<i32>, KafkaError> {
+pub fn partitions<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Vec<i32>, KafkaError> {
     let md = consumer.fetch_metadata(Some(topic), timeout)?;
     let t = md
         .topics()
@@ -305,134 +328,86 @@ pub fn offsets_for_time<C: Consumer>(
         .collect())
 }
 
-/// The first offset of every partition whose record timestamp is at least `ts_ms`
-/// (`None`: no such record), in one broker round trip.
-fn first_offsets_at<X: ConsumerContext>(
-    consumer: &impl Consumer<X>,
-    topic: &str,
-    targets: &BTreeMap<i32, i64>,
-    timeout: Duration,
-) -> Result<BTreeMap<i32, Option<i64>>, KafkaError> {
-    let mut tpl = TopicPartitionList::new();
-    for (&p, &ts_ms) in targets {
-        tpl.add_partition_offset(topic, p, Offset::Offset(ts_ms))?;
-    }
-    let found = consumer.offsets_for_times(tpl, timeout)?;
-    Ok(found
-        .elements()
-        .iter()
-        .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o).filter(|o| *o >= 0) } else { None }))
-        .collect())
-}
-
-/// For every partition and start offset `b`, the record clock just before `b`: the
-/// highest record timestamp (whole seconds) below `b` (`None`: no record below `b`).
-///
-/// The broker's time index answers "the first offset whose timestamp is at least t",
-/// so the clock is the largest second `s` whose answer lies below `b`: found by
-/// bisection, about 32 round trips for all partitions together, without reading a record.
-pub fn clocks_before<X: ConsumerContext>(
-    consumer: &impl Consumer<X>,
-    topic: &str,
-    starts: &BTreeMap<i32, i64>,
-    timeout: Duration,
-) -> Result<BTreeMap<i32, Option<Secs>>, KafkaError> {
-    let mut out = BTreeMap::new();
-    // Per partition (lo, hi): some record below b is stamped at lo s or later; none at hi.
-    let mut open: BTreeMap<i32, (u64, u64)> = BTreeMap::new();
-    let at_zero = first_offsets_at(consumer, topic, &starts.keys().map(|&p| (p, 0)).collect(), timeout)?;
-    for (&p, &b) in starts {
-        match at_zero.get(&p).copied().flatten() {
-            Some(first) if first < b => {
-                open.insert(p, (0, u64::from(Secs::MAX) + 1));
-            }
-            _ => {
-                out.insert(p, None);
-            }
-        }
-    }
-    while !open.is_empty() {
-        let probes: BTreeMap<i32, u64> = open.iter().map(|(&p, &(lo, hi))| (p, lo + (hi - lo) / 2)).collect();
-        let targets = probes.iter().map(|(&p, &s)| (p, (s * 1000) as i64)).collect();
-        let found = first_offsets_at(consumer, topic, &targets, timeout)?;
-        for (p, mid) in probes {
-            let (lo, hi) = open[&p];
-            let below_b = found.get(&p).copied().flatten().is_some_and(|o| o < starts[&p]);
-            let (lo, hi) = if below_b { (mid, hi) } else { (lo, mid) };
-            if hi - lo <= 1 {
-                open.remove(&p);
-                out.insert(p, Some(lo as Secs));
-            } else {
-                open.insert(p, (lo, hi));
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Where the reads that rebuild dedup state start: for a partition whose clock before
-/// `b` is `c`, the first offset stamped at or after `c − window`. Every record before it
-/// has a record time more than a window before any record from `b` on, and the clock
-/// read from it is exact (README, "What counts"). `b` itself when nothing is needed.
-pub fn lookback_starts<X: ConsumerContext>(
-    consumer: &impl Consumer<X>,
-    topic: &str,
-    clocks: &BTreeMap<i32, (i64, Option<Secs>)>,
-    window: Secs,
-    timeout: Duration,
-) -> Result<BTreeMap<i32, i64>, KafkaError> {
-    let targets: BTreeMap<i32, i64> = clocks
-        .iter()
-        .filter_map(|(&p, &(_, clock))| clock.map(|c| (p, i64::from(c.saturating_sub(window)) * 1000)))
-        .collect();
-    let found =
-        if targets.is_empty() { BTreeMap::new() } else { first_offsets_at(consumer, topic, &targets, timeout)? };
-    Ok(clocks.iter().map(|(&p, &(b, _))| (p, found.get(&p).copied().flatten().map_or(b, |l| l.min(b)))).collect())
-}
-
-/// Where each partition's reader counts from, and what it needs before that
-/// ([`Marks`](crate::position::Marks)): the batch boundary at or below the requested
-/// offset (`None`: the log start), the clock just before it and the lookback start.
-/// Blocking: several broker round trips.
-pub fn marks<X: ConsumerContext>(
+/// Where each partition's reader counts from: the batch boundary at or below the
+/// requested offset (`None`: the log start; past retention, the first boundary after
+/// it), with the partition's log start. Blocking: a broker round trip per partition.
+pub fn boundaries<X: ConsumerContext>(
     consumer: &impl Consumer<X>,
     topic: &str,
     n: crate::aggregate::BatchOffsets,
     requested: &BTreeMap<i32, Option<i64>>,
-    window: Secs,
     timeout: Duration,
-) -> Result<BTreeMap<i32, crate::position::Marks>, KafkaError> {
-    let mut boundaries = BTreeMap::new();
+) -> Result<BTreeMap<i32, crate::planner::Boundary>, KafkaError> {
+    let mut out = BTreeMap::new();
     for (&p, &o) in requested {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
-        boundaries.insert(p, crate::position::boundary(n, low, high, o));
+        out.insert(p, crate::planner::Boundary { boundary: crate::position::boundary(n, low, high, o), low });
     }
-    marks_at(consumer, topic, &boundaries, window, timeout)
+    Ok(out)
 }
 
-/// [`marks`] for boundaries already chosen.
-pub fn marks_at<X: ConsumerContext>(
-    consumer: &impl Consumer<X>,
-    topic: &str,
-    boundaries: &BTreeMap<i32, i64>,
-    window: Secs,
-    timeout: Duration,
-) -> Result<BTreeMap<i32, crate::position::Marks>, KafkaError> {
-    let clocks = clocks_before(consumer, topic, boundaries, timeout)?;
-    let with_clocks: BTreeMap<i32, (i64, Option<Secs>)> =
-        boundaries.iter().map(|(&p, &b)| (p, (b, clocks.get(&p).copied().flatten()))).collect();
-    let lookbacks = lookback_starts(consumer, topic, &with_clocks, window, timeout)?;
-    Ok(with_clocks
-        .into_iter()
-        .map(|(p, (boundary, clock_before))| {
-            (p, crate::position::Marks { boundary, clock_before, lookback: lookbacks[&p] })
-        })
-        .collect())
+/// The topic's ID (Kafka 2.8+ gives every topic a UUID at creation, base64 as the tools
+/// print it), or `None` when the broker does not say. A topic deleted and recreated
+/// under the same name gets another: its offsets start over, and rows or pins stored for
+/// the old one must not be mistaken for its own. Blocking (DescribeTopics, up to
+/// `timeout`).
+pub fn topic_id(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Option<String>, KafkaError> {
+    use rdkafka::bindings as rd;
+    let name = std::ffi::CString::new(topic).map_err(|_| KafkaError::AdminOp(RDKafkaErrorCode::InvalidTopic))?;
+    let rk = consumer.client().native_ptr();
+    // SAFETY: every librdkafka object made here is destroyed before returning, after its
+    // last use; `rk` lives as long as `consumer`, and the names outlive the calls.
+    unsafe {
+        let queue = rd::rd_kafka_queue_new(rk);
+        let options = rd::rd_kafka_AdminOptions_new(rk, rd::rd_kafka_admin_op_t::RD_KAFKA_ADMIN_OP_DESCRIBETOPICS);
+        // The request ends by itself within `timeout` (with an error event), so nothing is
+        // left pending when the client is destroyed; the poll waits a little longer.
+        let ms = timeout.as_millis().min(i32::MAX as u128 / 2) as i32;
+        let mut errstr = [0 as std::ffi::c_char; 256];
+        rd::rd_kafka_AdminOptions_set_request_timeout(options, ms, errstr.as_mut_ptr(), errstr.len());
+        let mut names = [name.as_ptr()];
+        let topics = rd::rd_kafka_TopicCollection_of_topic_names(names.as_mut_ptr(), 1);
+        rd::rd_kafka_DescribeTopics(rk, topics, options, queue);
+        let event = rd::rd_kafka_queue_poll(queue, ms + 5_000);
+        let answer = if event.is_null() {
+            Err(KafkaError::AdminOp(RDKafkaErrorCode::RequestTimedOut))
+        } else if rd::rd_kafka_event_error(event) != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+            Err(KafkaError::AdminOp(rd::rd_kafka_event_error(event).into()))
+        } else {
+            let result = rd::rd_kafka_event_DescribeTopics_result(event);
+            let mut count = 0usize;
+            let descriptions = rd::rd_kafka_DescribeTopics_result_topics(result, &mut count);
+            let mut id = None;
+            for i in 0..count {
+                let d = *descriptions.add(i);
+                if !rd::rd_kafka_TopicDescription_error(d).is_null() {
+                    continue;
+                }
+                let uuid = rd::rd_kafka_TopicDescription_topic_id(d);
+                if !uuid.is_null() {
+                    let text = std::ffi::CStr::from_ptr(rd::rd_kafka_Uuid_base64str(uuid)).to_string_lossy();
+                    // The all-zero UUID: a broker without topic IDs.
+                    if text != "AAAAAAAAAAAAAAAAAAAAAA" {
+                        id = Some(text.into_owned());
+                    }
+                }
+            }
+            Ok(id)
+        };
+        if !event.is_null() {
+            rd::rd_kafka_event_destroy(event);
+        }
+        rd::rd_kafka_TopicCollection_destroy(topics);
+        rd::rd_kafka_AdminOptions_destroy(options);
+        rd::rd_kafka_queue_destroy(queue);
+        answer
+    }
 }
 
-/// The topic's `cleanup.policy` as the broker reports it. Bounded in time: a broker
-/// that cannot be reached (or not trusted) leaves the admin request pending forever.
-pub async fn cleanup_policy(k: &KafkaSettings, topic: &str) -> Result<Option<String>, KafkaError> {
+/// The topic's configuration as the broker reports it (name -> value), empty for a
+/// topic that does not exist yet. Bounded in time: a broker that cannot be reached (or
+/// not trusted) leaves the admin request pending forever.
+pub async fn topic_configs(k: &KafkaSettings, topic: &str) -> Result<BTreeMap<String, String>, KafkaError> {
     use rdkafka::admin::{ConfigResource, ResourceSpecifier};
     let admin: AdminClient<DefaultClientContext> = client_config(k).create()?;
     let opts = AdminOptions::new().request_timeout(Some(Duration::from_secs(10)));
@@ -442,7 +417,9 @@ pub async fn cleanup_policy(k: &KafkaSettings, topic: &str) -> Result<Option<Str
         .await
         .map_err(|_| KafkaError::AdminOp(RDKafkaErrorCode::RequestTimedOut))??;
     let resource: Option<ConfigResource> = results.into_iter().next().and_then(|r| r.ok());
-    Ok(resource.and_then(|r| r.get("cleanup.policy").and_then(|e| e.value.clone())))
+    Ok(resource
+        .map(|r| r.entries.into_iter().filter_map(|e| Some((e.name, e.value?))).collect())
+        .unwrap_or_default())
 }
 
 /// A throwaway consumer for metadata and watermark look-ups.

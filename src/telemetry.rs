@@ -26,6 +26,12 @@ pub const CROSS_PARTITION_DUPLICATES: &str = "clickagg_cross_partition_duplicate
 pub const RECORD_LAG: &str = "clickagg_record_lag_seconds";
 pub const DEDUP_REBUILDS: &str = "clickagg_dedup_rebuilds_total";
 pub const DEDUP_SWEPT: &str = "clickagg_dedup_entries_swept_total";
+/// Poll batches read again from a sighting that had to wait until other partitions'
+/// dedup state was rebuilt from the log (after the cache was lost).
+pub const DEDUP_WAITS: &str = "clickagg_dedup_waits_total";
+/// Partitions this member reads that lag the wall clock far enough that the sweeper
+/// keeps sightings for them (`dedup.max_record_lag`).
+pub const DEDUP_HELD_PARTITIONS: &str = "clickagg_dedup_held_partitions";
 pub const FLUSH_DURATION: &str = "clickagg_flush_duration_seconds";
 /// Seconds from a counted click's record timestamp until the flush holding it is durable
 /// (from then on `query` sees it).
@@ -105,6 +111,7 @@ pub fn register_zeroes() {
         WARMUP_RECORDS,
         CROSS_PARTITION_DUPLICATES,
         DEDUP_SWEPT,
+        DEDUP_WAITS,
         FLUSHES,
         ROWS_FLUSHED,
         REDIS_RETRIES,
@@ -123,7 +130,7 @@ pub fn register_zeroes() {
     // A registered histogram is exported with every bucket at 0.
     let _ = metrics::histogram!(FLUSH_DURATION);
     let _ = metrics::histogram!(FRESHNESS);
-    for reason in ["undecidable", "lag", "lost"] {
+    for reason in ["undecidable", "lost"] {
         metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
     for trouble in crate::health::RedisTrouble::ALL {

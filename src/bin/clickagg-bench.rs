@@ -229,7 +229,9 @@ async fn claims_rate(
     let mut chunks = chunks.into_iter();
     while received < total {
         while sent < total && sent - received < 2 {
-            claimer.claim(chunks.next().expect("counted"));
+            let claims = chunks.next().expect("counted");
+            let generations = vec![0; claims.len()];
+            claimer.claim(clickagg::dedup::ClaimBatch { claims, generations });
             sent += 1;
         }
         verdicts.recv().await.expect("claimer running")?;

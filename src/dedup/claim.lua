@@ -5,24 +5,34 @@
 --
 -- Keys come in groups (one group per Redis Cluster hash tag; a single Redis has one),
 -- and every call touches one group only (a Redis Cluster runs a function only on keys
--- of one slot):
+-- of one slot). Within a group, everything lives in a *namespace*: a random name the
+-- group's key `ns` holds. A cache that lost its data (a Redis restarted without
+-- persistence, a failover to an empty replica, FLUSHALL) has no `ns` key, or one a
+-- member never saw; every call checks it against the namespace the caller uses and
+-- answers LOST instead of deciding from nothing. The member then moves everyone to a
+-- new namespace and rebuilds it from the log (src/dedup/shared.rs).
+--
+-- Per namespace:
 --   shard hashes   field = a fingerprint's low 88 bits (11 bytes); value = one 12-byte
 --                  chain per partition that sighted the click, '>HI6I4': the partition
 --                  (bit 15 set when the chain counted), the offset where the chain
 --                  started, and the record time (s) of its latest sighting
---   frontier       field = partition, value = '>I6I4I6': the highest offset of that
---                  partition claimed through this group, its record time, and the offset
+--   frontier       field = partition, value = '>I6I4I6': one past the highest offset of
+--                  that partition claimed through this group (0: none yet), the record
+--                  time there, and the offset
 --                  from which the entries are exact for re-reads (a warm-up that rebuilt
 --                  lost state makes them exact from the boundary it counted from); a claim
 --                  at or below the highest offset is a re-read, which never changes an
 --                  entry. "Claimed through": the client sends every group the highest
 --                  offset of each partition in the poll batch (a mark), also groups that
 --                  got none of its clicks, so all groups' frontiers agree once every call
---                  of a batch succeeded; a group whose frontier is behind the others (a
---                  crash between the calls) or missing (a node that lost its data) shows
---                  the client where the cache is incomplete.
+--                  of a batch succeeded. A partition is *ready* when its frontier has
+--                  reached the boundary its last warm-up counted from (claimed >=
+--                  exact_from - 1): its entries hold every sighting its reader relies on.
 --   x:<partition>  sorted set of the cross-partition decisions made in this group, scored
 --                  by offset (member = offset * 4 + 1), until their pins are durable
+--   holds          (group 0) field = partition, value = the record time (s) of a reader
+--                  lagging the wall clock: the sweeper keeps what it may still need
 --
 -- Everything a call does is atomic, so two members (a zombie and the new owner of a
 -- partition, or two partitions carrying copies of one click) never interleave inside it.
@@ -30,8 +40,10 @@
 local CHAIN = '>HI6I4'
 local CHAIN_SIZE = 12
 local FRONTIER = '>I6I4I6'
-local CLAIM = '>Hc11HI6I4B'
-local CLAIM_SIZE = 26
+local CLAIM = '>I4c11HI6I4B'
+local CLAIM_SIZE = 28
+local EXPECT = '>HI6'
+local EXPECT_SIZE = 8
 local COUNTED = 32768
 
 local function chains_of(v)
@@ -61,28 +73,17 @@ local function cached_pin(xkey, o)
   return xkey ~= nil and redis.call('ZSCORE', xkey, o * 4 + 1) ~= false
 end
 
--- KEYS[1] = the group's frontier hash, KEYS[2 .. m+1] = the x sorted sets of the
--- partitions named in ARGV[3], KEYS[m+2 ..] = shard hashes.
--- ARGV[1] = the window (s); ARGV[2] = claims packed back to back, each: key index into
---   KEYS (u16, 1-based), field (11 bytes), partition (u16), offset (u48), record time
---   (u32, s), mode (u8: bit 0 = pinned as a cross-partition duplicate at its first read,
---   bit 1 = a warm-up sighting, decided within its partition); ARGV[3] = the partitions
---   of KEYS[2 .. m+1], comma-separated; ARGV[4] = the marks, packed back to back, each
---   '>HI6I4': a partition of the poll batch, its highest offset claimed in the batch (in
---   any group) and that record's time. The frontier of a marked partition moves to its
---   mark; the claims of this call lie at or below it.
+-- The answer to a caller whose namespace is gone: what the group holds instead.
+local function lost(why, detail)
+  return {'LOST', '', why .. ':' .. (detail or '')}
+end
+
+-- A fresh sighting whose verdict depends on other partitions' chains (it would start
+-- a chain): `blocked()` says whether some other partition is not ready, in which case
+-- the claim waits ('W') and changes nothing.
 --
--- Claiming again what was claimed before (a retry after a reply was lost, a crash
--- between the calls of one batch) answers what the first claim answered: the counted
--- record 'O', a later sighting 'D', a cross-partition duplicate 'X' (from the sorted set
--- x:<partition>, where the first claim put it). Nothing changes in the cache.
--- Returns one verdict byte per claim:
---   F first in its partition within the window (counts)    O the counted record, re-read
---   D an earlier sighting in its partition within the window
---   X a copy of a click counted on another partition within the window (does not count)
---   U a re-read the cache cannot decide (the reader rebuilds its state from the log)
--- Any entry: several partitions' chains, or none (a re-read, or a pinned sighting).
-local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, window, xkey)
+-- Returns the verdict byte, or nil when it must wait.
+local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, window, xkey, blocked)
   local chains = chains_of(v)
   local mine = nil
   for j, c in ipairs(chains) do
@@ -107,6 +108,7 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
   end
   local cross = pinned
   if not pinned and not warm then
+    if blocked() then return nil end
     for _, c in ipairs(chains) do
       local gap = clock - c.seen
       if gap < 0 then gap = -gap end
@@ -121,16 +123,50 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
   return 'X'
 end
 
+-- KEYS[1] = the group's namespace key, KEYS[2] = the namespace's frontier hash,
+-- KEYS[3 .. m+2] = the x sorted sets of the partitions named in ARGV[4], KEYS[m+3 ..]
+-- = shard hashes.
+-- ARGV[1] = the namespace the caller uses; ARGV[2] = the window (s); ARGV[3] = claims
+--   packed back to back, each: key index into KEYS (u32, 1-based), field (11 bytes),
+--   partition (u16), offset (u48), record time (u32, s), mode (u8: bit 0 = pinned as a
+--   cross-partition duplicate at its first read, bit 1 = a warm-up sighting, decided
+--   within its partition); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
+--   ARGV[5] = the marks, packed back to back, each '>HI6I4': a partition of the poll
+--   batch, its highest offset claimed in the batch (in any group) and that record's
+--   time. The frontier of a marked partition moves to its mark; the claims of this call
+--   lie at or below it. ARGV[6] = what the caller saw acknowledged before, packed
+--   '>HI6': a partition and the frontier it reached; a frontier behind that (or
+--   missing) means the group lost writes (a failover to a replica that lacked them).
+--   ARGV[7] = the topic's partition count: a fresh sighting is decided only while every
+--   other partition is ready.
+--
+-- Claiming again what was claimed before (a retry after a reply was lost, a crash
+-- between the calls of one batch) answers what the first claim answered: the counted
+-- record 'O', a later sighting 'D', a cross-partition duplicate 'X' (from the sorted set
+-- x:<partition>, where the first claim put it). Nothing changes in the cache.
+--
+-- Returns {'OK', verdicts, unready} with one verdict byte per claim:
+--   F first in its partition within the window (counts)    O the counted record, re-read
+--   D an earlier sighting in its partition within the window
+--   X a copy of a click counted on another partition within the window (does not count)
+--   U a re-read the cache cannot decide (the reader rebuilds its state from the log)
+--   W a fresh sighting while another partition is not ready (its state is being rebuilt):
+--     nothing of it, nor of the partition's later claims in this call, was applied, and
+--     the partition's frontier stays before it; `unready` lists those partitions
+-- or {'LOST', '', why:detail} when the caller's namespace is not this group's, or the
+-- group lost writes the caller relied on; nothing was changed then.
 local function claim(keys, args)
   local call, unpack_, pack_ = redis.call, struct.unpack, struct.pack
-  local window = tonumber(args[1])
-  local blob = args[2]
-  local fkey = keys[1]
+  local ns = call('GET', keys[1])
+  if ns ~= args[1] then return lost('namespace', ns or '') end
+  local fkey = keys[2]
+  local window = tonumber(args[2])
+  local blob = args[3]
   local xkeys = {}
   local m = 0
-  for p in string.gmatch(args[3], '%d+') do
+  for p in string.gmatch(args[4], '%d+') do
     m = m + 1
-    xkeys[tonumber(p)] = keys[m + 1]
+    xkeys[tonumber(p)] = keys[m + 2]
   end
   local frontier = {}   -- partition -> highest offset claimed before this claim
   local exact = {}      -- partition -> first offset a re-read can be decided at
@@ -142,12 +178,38 @@ local function claim(keys, args)
       if v then
         local _
         f, _, exact[p] = unpack_(FRONTIER, v)
+        f = f - 1
       else
         f, exact[p] = -1, 0
       end
+      frontier[p] = f
     end
     return f
   end
+  local expect = args[6] or ''
+  for j = 1, #expect, EXPECT_SIZE do
+    local p, seen = unpack_(EXPECT, expect, j)
+    local v = call('HGET', fkey, p)
+    if not v or unpack_(FRONTIER, v) - 1 < seen then return lost('frontier', tostring(p)) end
+  end
+  local total = tonumber(args[7]) or 0
+  local unready = nil
+  local function unready_list()
+    if unready == nil then
+      unready = {}
+      local ready = {}
+      local all = call('HGETALL', fkey)
+      for j = 1, #all, 2 do
+        local next_, _, ex = unpack_(FRONTIER, all[j + 1])
+        if next_ >= ex then ready[tonumber(all[j])] = true end
+      end
+      for q = 0, total - 1 do
+        if not ready[q] then unready[#unready + 1] = q end
+      end
+    end
+    return unready
+  end
+  local waiting = {}    -- partition -> true once one of its claims had to wait
   local out = {}
   for i = 0, #blob / CLAIM_SIZE - 1 do
     local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
@@ -156,9 +218,18 @@ local function claim(keys, args)
     local f = load(p)
     local key = keys[ki]
     local reread = o <= f
+    local function blocked()
+      for _, q in ipairs(unready_list()) do
+        if q ~= p then return true end
+      end
+      return false
+    end
     local verdict
+    if waiting[p] then
+      verdict = nil
     -- The common case first, in one scan of the hash: a click nobody has sighted.
-    if not reread and not pinned and call('HSETNX', key, field, pack_(CHAIN, p + COUNTED, o, clock)) == 1 then
+    elseif not reread and not pinned and (warm or not blocked())
+        and call('HSETNX', key, field, pack_(CHAIN, p + COUNTED, o, clock)) == 1 then
       verdict = 'F'
     else
       local v = call('HGET', key, field)
@@ -180,39 +251,48 @@ local function claim(keys, args)
         elseif pinned then
           call('HSET', key, field, pack_(CHAIN, p, o, clock))
           verdict = 'X'
+        elseif not warm and blocked() then
+          verdict = nil
         else
           call('HSET', key, field, pack_(CHAIN, p + COUNTED, o, clock))
           verdict = 'F'
         end
       else
-        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, warm, window, xkeys[p])
+        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, warm, window, xkeys[p], blocked)
       end
     end
-    out[i + 1] = verdict
-    if o > f then
-      frontier[p] = o
-      touched[p] = clock
+    if verdict == nil then
+      waiting[p] = true
+      out[i + 1] = 'W'
     else
-      frontier[p] = f
+      out[i + 1] = verdict
+      if o > f then
+        frontier[p] = o
+        touched[p] = clock
+      else
+        frontier[p] = f
+      end
     end
   end
-  local marks = args[4] or ''
+  local marks = args[5] or ''
   for j = 1, #marks, CHAIN_SIZE do
     local p, o, clock = unpack_(CHAIN, marks, j)
-    if o > load(p) then
+    if not waiting[p] and o > load(p) then
       frontier[p] = o
       touched[p] = clock
     end
   end
   for p, clock in pairs(touched) do
-    call('HSET', fkey, p, pack_(FRONTIER, frontier[p], clock, exact[p]))
+    call('HSET', fkey, p, pack_(FRONTIER, frontier[p] + 1, clock, exact[p]))
   end
-  return table.concat(out)
+  local named = ''
+  if next(waiting) ~= nil then named = table.concat(unready_list(), ',') end
+  return {'OK', table.concat(out), named}
 end
 
 -- KEYS = shard hashes of one group; ARGV[1] = cutoff (s). Drops the chains last seen
--- before the cutoff (no reader within the lag bound can need them), and entries left
--- with none; returns how many chains went.
+-- before the cutoff (no reader can need them: see `SharedCache::sweep`), and entries
+-- left with none; returns how many chains went.
 local function sweep(keys, args)
   local cutoff = tonumber(args[1])
   local removed = 0
@@ -239,21 +319,50 @@ local function sweep(keys, args)
   return removed
 end
 
--- KEYS[1] = a group's frontier hash; ARGV = partition, lookback, boundary. Before a
--- warm-up that rebuilds a partition's lost state from its lookback: unless the frontier
--- is already past it, what lies before the lookback is unknown, so re-reads are exact
--- only from the boundary the warm-up counts from.
+-- KEYS[1] = the group's namespace key, KEYS[2] = the namespace's frontier hash;
+-- ARGV = the namespace, partition, lookback, boundary. Before a reader counts from
+-- `boundary` after a warm-up from `lookback`: unless the frontier is already past the
+-- lookback, what lies before the lookback is unknown, so re-reads are exact only from
+-- the boundary on, and the partition is not ready until the warm-up reaches it. A
+-- partition the namespace never saw gets its frontier here, so that others know it.
+-- Returns 1 when it restarted the partition, 0 when the cache was past the lookback,
+-- or the LOST answer of `claim`.
 local function restart(keys, args)
-  local p, lookback, boundary = args[1], tonumber(args[2]), tonumber(args[3])
-  local v = redis.call('HGET', keys[1], p)
+  local ns = redis.call('GET', keys[1])
+  if ns ~= args[1] then return lost('namespace', ns or '') end
+  local p, lookback, boundary = args[2], tonumber(args[3]), tonumber(args[4])
+  local v = redis.call('HGET', keys[2], p)
   if v then
-    local f = struct.unpack(FRONTIER, v)
-    if f >= lookback - 1 then return 0 end
+    local next_ = struct.unpack(FRONTIER, v)
+    if next_ >= lookback then return 0 end
   end
-  redis.call('HSET', keys[1], p, struct.pack(FRONTIER, lookback - 1, 0, boundary))
+  redis.call('HSET', keys[2], p, struct.pack(FRONTIER, lookback, 0, boundary))
   return 1
+end
+
+-- KEYS[1] = a group's namespace key; ARGV[1] = a new name. The group's namespace,
+-- set to the new name if it has none.
+local function open(keys, args)
+  local ns = redis.call('GET', keys[1])
+  if ns then return ns end
+  redis.call('SET', keys[1], args[1])
+  return args[1]
+end
+
+-- KEYS[1] = a group's namespace key, KEYS[2] = where the previous name is kept (for the
+-- sweeper to delete its keys); ARGV[1] = the namespace found lost, ARGV[2] = a new
+-- name. Moves the group to the new name unless another member already moved it;
+-- returns the group's namespace.
+local function renew(keys, args)
+  local ns = redis.call('GET', keys[1])
+  if ns and ns ~= args[1] then return ns end
+  redis.call('SET', keys[1], args[2])
+  if args[1] ~= '' then redis.call('SET', keys[2], args[1]) end
+  return args[2]
 end
 
 redis.register_function('clickagg_claim_v1', claim)
 redis.register_function('clickagg_sweep_v1', sweep)
 redis.register_function('clickagg_restart_v1', restart)
+redis.register_function('clickagg_open_v1', open)
+redis.register_function('clickagg_renew_v1', renew)

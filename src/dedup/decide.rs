@@ -12,44 +12,7 @@
 
 use std::collections::HashMap;
 
-/// Seconds since the epoch, in record time.
-pub type Secs = u32;
-
-/// A partition's record clock: the highest record timestamp (whole seconds) among the
-/// records read so far. The record time of a record is this clock once it is read, so
-/// it never goes backwards along a partition even when producers' clocks disagree.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct PartitionClock(Option<Secs>);
-
-impl PartitionClock {
-    /// A clock that has seen records up to `secs` (`None`: nothing before).
-    pub fn at(secs: Option<Secs>) -> PartitionClock {
-        PartitionClock(secs)
-    }
-
-    /// Advances past one record and returns its record time. Records without a
-    /// timestamp (or with one outside 1970..2106) leave the clock where it is.
-    pub fn tick(&mut self, record_ts_ms: Option<i64>) -> Secs {
-        if let Some(secs) = record_ts_ms.and_then(secs_of_millis) {
-            self.0 = Some(self.0.map_or(secs, |c| c.max(secs)));
-        }
-        self.now()
-    }
-
-    /// The record time reached (0 before any timestamped record).
-    pub fn now(&self) -> Secs {
-        self.0.unwrap_or(0)
-    }
-
-    pub fn get(&self) -> Option<Secs> {
-        self.0
-    }
-}
-
-/// Whole seconds of a Kafka timestamp, if it is one (librdkafka reports "none" as -1).
-pub fn secs_of_millis(ms: i64) -> Option<Secs> {
-    (ms >= 0).then(|| Secs::try_from(ms / 1000).unwrap_or(Secs::MAX))
-}
+use super::clock::{PartitionClock, Secs};
 
 /// What one sighting of a click ID comes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -67,6 +30,9 @@ pub enum Verdict {
     /// A re-read the cache cannot decide (it lost the entry, or it is more than a window
     /// ahead of this reader): the partition is decided from a rebuild of the log instead.
     Undecidable,
+    /// A fresh sighting whose verdict depends on other partitions' sightings while some
+    /// other partition's state is still being rebuilt from the log: decided later.
+    Wait,
 }
 
 impl Verdict {
@@ -87,6 +53,7 @@ impl Verdict {
             b'D' => Verdict::Duplicate,
             b'X' => Verdict::CrossDuplicate,
             b'U' => Verdict::Undecidable,
+            b'W' => Verdict::Wait,
             _ => return None,
         })
     }
@@ -155,13 +122,16 @@ pub struct ClaimMode {
 /// which never changes the entry. (`claim.lua` also keeps new cross-partition verdicts
 /// until their pins are durable, and moves the frontier.) `cached_pin`: the cache still
 /// holds the cross-partition verdict an earlier claim of this very sighting made (its
-/// sorted set `x:<partition>`), so claiming it again answers the same.
+/// sorted set `x:<partition>`), so claiming it again answers the same. `others_ready`:
+/// every other partition's state holds what its reader relies on; while one is being
+/// rebuilt, a sighting that would check the other partitions waits, changing nothing.
 pub fn decide_shared(
     entry: &mut Vec<Chain>,
     s: Sighting,
     frontier: Option<Frontier>,
     mode: ClaimMode,
     cached_pin: bool,
+    others_ready: bool,
     window: Secs,
 ) -> Verdict {
     let reread = frontier.is_some_and(|f| s.offset <= f.claimed);
@@ -194,6 +164,7 @@ pub fn decide_shared(
     let cross = match mode.pin {
         Some(_) => true,
         None if mode.warm => false,
+        None if !others_ready => return Verdict::Wait,
         None => {
             entry.iter().any(|c| c.partition != s.partition && c.counted && s.clock.abs_diff(c.last_seen) <= window)
         }
@@ -308,16 +279,6 @@ mod tests {
     }
 
     #[test]
-    fn the_clock_keeps_the_highest_timestamp_and_ignores_records_without_one() {
-        let mut c = PartitionClock::default();
-        assert_eq!(c.tick(Some(5_999)), 5);
-        assert_eq!(c.tick(Some(3_000)), 5, "a record stamped earlier does not move the clock back");
-        assert_eq!(c.tick(None), 5);
-        assert_eq!(c.tick(Some(-1)), 5);
-        assert_eq!(c.tick(Some(9_000)), 9);
-    }
-
-    #[test]
     fn a_sighting_within_the_window_of_the_latest_one_is_a_duplicate_even_if_that_one_did_not_count() {
         // 0 counts; 50 is 50 s after it; 100 is 50 s after the sighting at 50, which
         // did not count either: a click seen again and again within the window never
@@ -341,64 +302,79 @@ mod tests {
     #[test]
     fn fresh_sightings_follow_the_sliding_window_of_their_partition() {
         let mut e = vec![chain(0, 10, true, 100)];
-        assert_eq!(decide_shared(&mut e, at(0, 30, 150), upto(20), live(), false, W), Verdict::Duplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 30, 150), upto(20), live(), false, true, W), Verdict::Duplicate);
         assert_eq!(e, vec![chain(0, 10, true, 150)], "the window slides with every sighting");
-        assert_eq!(decide_shared(&mut e, at(0, 31, 211), upto(30), live(), false, W), Verdict::First);
+        assert_eq!(decide_shared(&mut e, at(0, 31, 211), upto(30), live(), false, true, W), Verdict::First);
         assert_eq!(e, vec![chain(0, 31, true, 211)], "a new chain");
         let mut none = Vec::new();
-        assert_eq!(decide_shared(&mut none, at(0, 0, 0), None, live(), false, W), Verdict::First, "nothing read yet");
+        assert_eq!(decide_shared(&mut none, at(0, 0, 0), None, live(), false, true, W), Verdict::First, "nothing read yet");
     }
 
     #[test]
     fn the_owner_read_again_counts_and_a_later_sighting_read_again_does_not() {
         let mut e = vec![chain(0, 10, true, 100)];
-        assert_eq!(decide_shared(&mut e, at(0, 10, 100), upto(20), live(), false, W), Verdict::Own);
-        assert_eq!(decide_shared(&mut e, at(0, 15, 120), upto(20), live(), false, W), Verdict::Duplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), upto(20), live(), false, true, W), Verdict::Own);
+        assert_eq!(decide_shared(&mut e, at(0, 15, 120), upto(20), live(), false, true, W), Verdict::Duplicate);
         // Before the chain: a window separates it from the chain, and nothing more is known.
-        assert_eq!(decide_shared(&mut e, at(0, 5, 30), upto(20), live(), false, W), Verdict::Undecidable);
+        assert_eq!(decide_shared(&mut e, at(0, 5, 30), upto(20), live(), false, true, W), Verdict::Undecidable);
         // A re-read that finds no chain cannot tell a lost entry from a click never seen.
-        assert_eq!(decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), false, W), Verdict::Undecidable);
+        assert_eq!(decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), false, true, W), Verdict::Undecidable);
         assert_eq!(e, vec![chain(0, 10, true, 100)], "re-reads change nothing");
         // Below where a rebuilt cache is exact from: it may lack sightings before.
         let rebuilt = Some(Frontier { claimed: 20, exact_from: 12 });
-        assert_eq!(decide_shared(&mut e, at(0, 10, 100), rebuilt, live(), false, W), Verdict::Undecidable);
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), rebuilt, live(), false, true, W), Verdict::Undecidable);
     }
 
     #[test]
     fn a_copy_on_another_partition_is_a_duplicate_only_within_the_window_of_a_counted_chain() {
         let mut e = vec![chain(1, 4, true, 1_000)];
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, true, W), Verdict::CrossDuplicate);
         assert_eq!(e[1], chain(0, 7, false, 1_040), "its own partition's chain starts, uncounted");
         assert_eq!(
-            decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), false, W),
+            decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), false, true, W),
             Verdict::Duplicate,
             "within its chain"
         );
         let mut far = vec![chain(1, 4, true, 1_000)];
-        assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), false, W), Verdict::First);
+        assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), false, true, W), Verdict::First);
         let mut uncounted = vec![chain(1, 4, false, 1_000)];
         assert_eq!(
-            decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), false, W),
+            decide_shared(&mut uncounted, at(0, 7, 1_010), None, live(), false, true, W),
             Verdict::First,
             "a copy of a copy"
         );
         let mut warm = vec![chain(1, 4, true, 1_000)];
         let warm_mode = ClaimMode { warm: true, pin: None };
         assert_eq!(
-            decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, false, W),
+            decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, false, true, W),
             Verdict::First,
             "no cross check"
         );
     }
 
     #[test]
+    fn a_fresh_sighting_waits_while_another_partition_is_rebuilt_unless_its_own_partition_decides_it() {
+        let mut e = vec![chain(1, 4, true, 1_000)];
+        let before = e.clone();
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, false, W), Verdict::Wait);
+        assert_eq!(e, before, "a wait changes nothing");
+        let mut own = vec![chain(0, 3, true, 1_000)];
+        assert_eq!(decide_shared(&mut own, at(0, 7, 1_040), upto(3), live(), false, false, W), Verdict::Duplicate);
+        let warm = ClaimMode { warm: true, pin: None };
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, warm, false, false, W), Verdict::First);
+        let mut fresh = Vec::new();
+        assert_eq!(decide_shared(&mut fresh, at(0, 9, 1_200), None, live(), false, false, W), Verdict::Wait);
+        assert_eq!(decide_shared(&mut fresh, at(0, 9, 1_200), None, live(), false, true, W), Verdict::First);
+    }
+
+    #[test]
     fn a_recorded_pin_is_applied_with_its_effect_and_read_again_without() {
         let pinned = ClaimMode { pin: Some(Pin::CrossDuplicate), warm: false };
         let mut e = Vec::new();
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, false, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, false, true, W), Verdict::CrossDuplicate);
         assert_eq!(e, vec![chain(0, 7, false, 1_040)]);
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), pinned, false, W), Verdict::CrossDuplicate);
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), false, W), Verdict::Undecidable, "pin lost");
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), pinned, false, true, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), false, true, W), Verdict::Undecidable, "pin lost");
     }
 
     #[test]
@@ -406,14 +382,14 @@ mod tests {
         // The first claim made the verdict; a retry of the same claims (its answer was
         // lost, or another group's call of the batch failed) finds it in the cache.
         let mut e = vec![chain(1, 4, true, 1_000)];
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, true, W), Verdict::CrossDuplicate);
         let before = e.clone();
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), true, W), Verdict::CrossDuplicate);
+        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), true, true, W), Verdict::CrossDuplicate);
         assert_eq!(e, before, "claiming again changes nothing");
         // The cached verdict never overrides what the chain itself says.
         let mut counted = vec![chain(0, 7, true, 1_040)];
-        assert_eq!(decide_shared(&mut counted, at(0, 7, 1_040), upto(9), live(), true, W), Verdict::Own);
-        assert_eq!(decide_shared(&mut counted, at(0, 8, 1_041), upto(9), live(), true, W), Verdict::Duplicate);
+        assert_eq!(decide_shared(&mut counted, at(0, 7, 1_040), upto(9), live(), true, true, W), Verdict::Own);
+        assert_eq!(decide_shared(&mut counted, at(0, 8, 1_041), upto(9), live(), true, true, W), Verdict::Duplicate);
     }
 
     #[test]

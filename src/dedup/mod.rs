@@ -2,7 +2,7 @@
 //!
 //! # The definition
 //!
-//! Every decision is a function of the log (DESIGN.md §7), so any re-read — a restart,
+//! Every decision is a function of the log (docs/DESIGN.md §5), so any re-read — a restart,
 //! a rebalance, a group reset to any offset, a backfill a month later — makes it again:
 //!
 //! - The **record time** of a record is its partition's clock: the highest Kafka record
@@ -39,15 +39,17 @@
 //! Redis, offsets moved forward) first replays that stretch of the log into the cache
 //! without counting (a warm-up); see `pipeline`.
 
+pub mod clock;
 pub mod decide;
 pub mod fingerprint;
+pub mod rules;
 pub mod shared;
 
 #[cfg(test)]
 mod model;
 
-pub use decide::{
-    decide_shared, Chain, ClaimMode, Frontier, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict,
-};
+pub use clock::{Checkpoint, PartitionClock, Secs, CLOCK_JUMP};
+pub use decide::{decide_shared, Chain, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
 pub use fingerprint::{Fingerprint, Fingerprinter};
-pub use shared::{Claim, Claimer, DedupError, RedisTarget, SharedCache, Verdicts, Wait};
+pub use rules::Rules;
+pub use shared::{Claim, ClaimBatch, Claimer, DedupError, Lost, Recovery, RedisTarget, SharedCache, Verdicts, Wait};

@@ -59,7 +59,7 @@ impl Group {
             let f = self.frontier.get(&s.partition).map(|&(claimed, _, exact_from)| Frontier { claimed, exact_from });
             let reread = f.is_some_and(|f| s.offset <= f.claimed);
             let cached = reread && self.cached_pins.contains_key(&(s.partition, s.offset));
-            let v = decide_shared(self.entries.entry(click).or_default(), s, f, mode, cached, W);
+            let v = decide_shared(self.entries.entry(click).or_default(), s, f, mode, cached, true, W);
             if let (None, Some(new_pin), false) = (mode.pin, v.pin(), reread) {
                 self.cached_pins.insert((s.partition, s.offset), new_pin);
             }
@@ -170,14 +170,29 @@ impl World {
     }
 }
 
-/// What the broker answers for a reader counting from `boundary` (`source::marks_at`).
-fn marks(log: &[Rec], boundary: i64) -> Marks {
-    let clock_before = log[..boundary as usize].iter().map(|r| r.ts).max();
-    let lookback = match clock_before {
-        None => boundary,
-        Some(c) => log.iter().position(|r| r.ts >= c.saturating_sub(W)).map_or(boundary, |o| (o as i64).min(boundary)),
+/// The clock just before `offset`: what `clickagg_clocks` records at a boundary.
+fn clock_before(log: &[Rec], offset: i64) -> PartitionClock {
+    let mut clock = PartitionClock::default();
+    for r in &log[..offset as usize] {
+        clock.tick(Some(i64::from(r.ts) * 1000));
+    }
+    clock
+}
+
+/// What the recorded clocks give a reader counting from `boundary` (`planner::marks`):
+/// the clock there, and the latest boundary whose clock lies more than a window before.
+fn marks(log: &[Rec], n: BatchOffsets, boundary: i64) -> Marks {
+    let near = (boundary, clock_before(log, boundary));
+    let lookback = match near.1.get() {
+        None => (0, PartitionClock::default()),
+        Some(c) => (0..=boundary)
+            .rev()
+            .filter(|&b| n.start_of(b) == b)
+            .map(|b| (b, clock_before(log, b)))
+            .find(|(_, clock)| clock.get().is_none_or(|t| t < c.saturating_sub(W)))
+            .unwrap_or((0, PartitionClock::default())),
     };
-    Marks { boundary, clock_before, lookback }
+    Marks { boundary, near, lookback }
 }
 
 struct Reader {
@@ -189,7 +204,7 @@ struct Reader {
 
 impl Reader {
     fn new(start: Start, pins: BTreeMap<i64, Pin>) -> Reader {
-        Reader { start, clock: PartitionClock::at(start.clock), next: start.read_from, pins }
+        Reader { start, clock: start.clock, next: start.read_from, pins }
     }
 }
 
@@ -220,11 +235,12 @@ impl<'a> Process<'a> {
         for p in 0..PARTITIONS {
             let len = log[p as usize].len() as i64;
             let boundary = position::boundary(n, 0, len, world.committed.get(&p).copied());
-            let m = marks(&log[p as usize], boundary);
-            let start = position::shared_start(p, m, world.frontier(p, m));
-            if start.read_from == m.lookback && m.lookback < m.boundary {
+            let m = marks(&log[p as usize], n, boundary);
+            let frontier = world.frontier(p, m);
+            let start = position::shared_start(p, m, frontier);
+            if matches!(start.scope, Scope::Shared { .. }) && frontier.is_none_or(|f| f.claimed + 1 < m.boundary) {
                 for g in &mut world.groups {
-                    g.restart(p, m.lookback, m.boundary);
+                    g.restart(p, m.lookback.0, m.boundary);
                 }
             }
             process.readers.insert(p, Reader::new(start, world.recorded_pins(p, start.read_from, true)));
@@ -238,7 +254,7 @@ impl<'a> Process<'a> {
         for p in 0..PARTITIONS {
             let len = log[p as usize].len() as i64;
             let boundary = position::boundary(n, 0, len, Some(from[p as usize].min(len)));
-            let start = position::private_start(p, marks(&log[p as usize], boundary));
+            let start = position::private_start(p, marks(&log[p as usize], n, boundary), None);
             process.readers.insert(p, Reader::new(start, world.recorded_pins(p, start.count_from, false)));
         }
         process
@@ -273,7 +289,7 @@ impl<'a> Process<'a> {
             let Some((click, _)) = item.rec.click else { continue };
             let recorded = reader.pins.get(&item.offset).copied();
             match reader.start.scope {
-                Scope::Private => {
+                Scope::Private { .. } => {
                     let pin = recorded.filter(|_| !item.warm);
                     item.verdict = Some(self.private.sight(p, u128::from(click), item.clock, pin));
                 }
@@ -327,7 +343,8 @@ impl<'a> Process<'a> {
         let cut = self.agg.take_partitions(&[p]);
         let from = cut.commits.get(&p).copied().unwrap_or(reader.start.count_from);
         self.pending.merge(cut);
-        let start = position::private_start(p, marks(&self.log[p as usize], from));
+        let n = self.agg.batch_offsets();
+        let start = position::private_start(p, marks(&self.log[p as usize], n, from), None);
         self.private.forget(p);
         self.readers.insert(p, Reader::new(start, world.recorded_pins(p, start.count_from, true)));
     }

@@ -33,6 +33,8 @@
 //! the batch again answers what the first claims answered (`claim.lua`).
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::future::join_all;
@@ -43,11 +45,19 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr
 use redis::{AsyncConnectionConfig, ErrorKind, RedisError, Value};
 use siphasher::sip128::SipHasher13;
 
-use super::decide::{ClaimMode, Pin, Secs, Sighting, Verdict};
+use super::clock::Secs;
+use super::decide::{ClaimMode, Pin, Sighting, Verdict};
 use super::fingerprint::Fingerprint;
 use crate::position::CacheFrontier;
 
 const CLAIM_LUA: &str = include_str!("claim.lua");
+
+/// Bytes of one packed claim (`claim.lua`, `CLAIM`).
+const CLAIM_SIZE: usize = 28;
+
+/// One group's answer to a claim call: `OK` or `LOST`, a verdict byte per claim, and the
+/// partitions that are not ready (or, when lost, why).
+type ClaimReply = (String, Vec<u8>, String);
 
 /// One click to claim: its fingerprint, where it was sighted, and how (`ClaimMode`).
 #[derive(Debug, Clone, Copy)]
@@ -55,6 +65,14 @@ pub struct Claim {
     pub fingerprint: Fingerprint,
     pub sighting: Sighting,
     pub mode: ClaimMode,
+}
+
+/// One poll batch's claims, with the generation of the reader each came from (a reader
+/// rewound after a wait gets a new one).
+#[derive(Debug, Clone, Default)]
+pub struct ClaimBatch {
+    pub claims: Vec<Claim>,
+    pub generations: Vec<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -67,6 +85,49 @@ pub enum DedupError {
     /// functions, a setting that can lose dedup state): stop with this message.
     #[error("Redis refused the dedup cache: {0}")]
     Fatal(String),
+    /// The cache no longer holds what this member relied on: its data is gone (a Redis
+    /// restarted without persistence, a failover to an empty replica, FLUSHALL, keys
+    /// deleted), another member moved it to a new namespace, or it lost writes this
+    /// member saw acknowledged. Nothing was decided; [`SharedCache::recover`] says what
+    /// to do.
+    #[error("the dedup cache lost what this member relied on ({0})")]
+    Lost(Lost),
+}
+
+/// What a claim found lost, and where.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lost {
+    /// The key group that answered.
+    pub group: u32,
+    /// `namespace`: the group holds another namespace (`detail`, empty for none);
+    /// `frontier`: the group's frontier of partition `detail` is behind what this member
+    /// saw acknowledged (lost writes).
+    pub why: String,
+    pub detail: String,
+}
+
+impl std::fmt::Display for Lost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.why.as_str() {
+            "namespace" if self.detail.is_empty() => write!(f, "key group {} holds no dedup state at all", self.group),
+            "namespace" => write!(f, "key group {} holds another namespace, {}", self.group, self.detail),
+            "frontier" => {
+                write!(f, "key group {} lost claims of partition {} it had acknowledged", self.group, self.detail)
+            }
+            other => write!(f, "key group {}: {other} {}", self.group, self.detail),
+        }
+    }
+}
+
+/// What a member does after [`DedupError::Lost`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Recovery {
+    /// A racing member left one key group on a namespace it then gave up; the group is
+    /// set right and the claims can be made again.
+    Retry,
+    /// The cache starts over in this namespace: every partition's state must be rebuilt
+    /// from the log before its reader decides anything again.
+    Renewed(String),
 }
 
 impl DedupError {
@@ -102,6 +163,10 @@ impl DedupError {
     pub fn is_fatal(&self) -> bool {
         matches!(self, DedupError::Fatal(_))
     }
+
+    pub fn is_lost(&self) -> bool {
+        matches!(self, DedupError::Lost(_))
+    }
 }
 
 /// The function library's version: a hash of its source, so two clickagg versions with
@@ -113,6 +178,7 @@ fn library_version() -> String {
 
 /// Where the cache lives: one Redis (or a primary with replicas behind one address), or
 /// a Redis Cluster reached through seed nodes.
+#[derive(Clone)]
 pub enum RedisTarget {
     Single(redis::Client),
     Cluster(ClusterClient),
@@ -192,6 +258,9 @@ enum Conn {
 
 /// A client of one topic's shared cache. It reconnects (and reloads the function
 /// library) lazily after any error, so the caller's retry loop is the only recovery path.
+///
+/// Every handle of one member ([`SharedCache::handle`]) shares the namespace the member
+/// uses and the topic's partition count; each keeps its own connection.
 pub struct SharedCache {
     target: RedisTarget,
     conn: Option<Conn>,
@@ -206,10 +275,30 @@ pub struct SharedCache {
     /// answer is enough).
     wait: Option<Wait>,
     window: Secs,
-    claim_fn: String,
-    sweep_fn: String,
-    restart_fn: String,
+    /// Names the decision settings the member runs with (`dedup.window`, the fingerprint
+    /// key, `dedup.shards`, the validation limits): part of every namespace's name, so
+    /// a member never decides in a namespace built under other settings.
+    settings_tag: String,
+    /// The namespace this member decides in, shared by its handles.
+    namespace: Arc<Mutex<Option<String>>>,
+    /// The topic's partition count, shared by the member's handles: a fresh sighting is
+    /// decided only while all of them are ready.
+    partitions: Arc<AtomicU32>,
+    /// Per partition, the frontier this handle's claims reached, acknowledged, in the
+    /// namespace named first: a group whose frontier is behind it lost writes.
+    acked: (String, BTreeMap<i32, i64>),
+    functions: Functions,
     library: String,
+}
+
+/// The names of the library's functions in this version.
+#[derive(Clone)]
+struct Functions {
+    claim: String,
+    sweep: String,
+    restart: String,
+    open: String,
+    renew: String,
 }
 
 impl SharedCache {
@@ -223,11 +312,10 @@ impl SharedCache {
         timeout: Duration,
     ) -> SharedCache {
         let v = library_version();
-        let library = CLAIM_LUA
-            .replacen("name=clickagg_dedup_v1", &format!("name=clickagg_dedup_{v}"), 1)
-            .replace("'clickagg_claim_v1'", &format!("'clickagg_claim_{v}'"))
-            .replace("'clickagg_sweep_v1'", &format!("'clickagg_sweep_{v}'"))
-            .replace("'clickagg_restart_v1'", &format!("'clickagg_restart_{v}'"));
+        let mut library = CLAIM_LUA.replacen("name=clickagg_dedup_v1", &format!("name=clickagg_dedup_{v}"), 1);
+        for f in ["claim", "sweep", "restart", "open", "renew"] {
+            library = library.replace(&format!("'clickagg_{f}_v1'"), &format!("'clickagg_{f}_{v}'"));
+        }
         SharedCache {
             target: target.into(),
             conn: None,
@@ -238,17 +326,63 @@ impl SharedCache {
             groups: groups.max(1),
             wait: None,
             window: window.as_secs().try_into().unwrap_or(Secs::MAX),
-            claim_fn: format!("clickagg_claim_{v}"),
-            sweep_fn: format!("clickagg_sweep_{v}"),
-            restart_fn: format!("clickagg_restart_{v}"),
+            settings_tag: "0".to_string(),
+            namespace: Arc::new(Mutex::new(None)),
+            partitions: Arc::new(AtomicU32::new(0)),
+            acked: (String::new(), BTreeMap::new()),
+            functions: Functions {
+                claim: format!("clickagg_claim_{v}"),
+                sweep: format!("clickagg_sweep_{v}"),
+                restart: format!("clickagg_restart_{v}"),
+                open: format!("clickagg_open_{v}"),
+                renew: format!("clickagg_renew_{v}"),
+            },
             library,
         }
+    }
+
+    /// The function library's name in this version.
+    fn library_name(&self) -> String {
+        format!("clickagg_dedup_{}", library_version())
     }
 
     /// Uses a claim's verdict only once `wait.replicas` replicas acknowledged it.
     pub fn with_wait(mut self, wait: Option<Wait>) -> SharedCache {
         self.wait = wait.filter(|w| w.replicas > 0);
         self
+    }
+
+    /// Names the decision settings (see the field's doc).
+    pub fn with_settings_tag(mut self, tag: &str) -> SharedCache {
+        self.settings_tag = tag.to_string();
+        self
+    }
+
+    /// Another handle of the same member: the same cache, namespace and partition
+    /// count, its own connection.
+    pub fn handle(&self) -> SharedCache {
+        SharedCache {
+            target: self.target.clone(),
+            conn: None,
+            timeout: self.timeout,
+            key_prefix: self.key_prefix.clone(),
+            topic: self.topic.clone(),
+            shards: self.shards,
+            groups: self.groups,
+            wait: self.wait,
+            window: self.window,
+            settings_tag: self.settings_tag.clone(),
+            namespace: self.namespace.clone(),
+            partitions: self.partitions.clone(),
+            acked: (String::new(), BTreeMap::new()),
+            functions: self.functions.clone(),
+            library: self.library.clone(),
+        }
+    }
+
+    /// The topic's partition count (from the broker's metadata).
+    pub fn set_partition_count(&self, n: u32) {
+        self.partitions.store(n, Ordering::Relaxed);
     }
 
     pub fn shards(&self) -> u32 {
@@ -275,16 +409,183 @@ impl SharedCache {
         }
     }
 
+    /// The key holding group `group`'s namespace.
+    fn ns_key(&self, group: u32) -> String {
+        format!("{}ns", self.group_prefix(group))
+    }
+
+    /// Where a renewal keeps the namespace it replaced (group 0), for the sweeper.
+    fn previous_ns_key(&self) -> String {
+        format!("{}ns:previous", self.group_prefix(0))
+    }
+
+    /// The namespace in use; empty before [`open`](Self::open).
+    pub fn namespace(&self) -> String {
+        self.namespace.lock().expect("not poisoned").clone().unwrap_or_default()
+    }
+
+    fn data_prefix(&self, group: u32, ns: &str) -> String {
+        format!("{}{ns}:", self.group_prefix(group))
+    }
+
     pub fn shard_key(&self, shard: u32) -> String {
-        format!("{}s:{shard:06x}", self.group_prefix(self.group_of(shard)))
+        self.shard_key_in(shard, &self.namespace())
+    }
+
+    fn shard_key_in(&self, shard: u32, ns: &str) -> String {
+        format!("{}s:{shard:06x}", self.data_prefix(self.group_of(shard), ns))
     }
 
     fn frontier_key(&self, group: u32) -> String {
-        format!("{}frontier", self.group_prefix(group))
+        format!("{}frontier", self.data_prefix(group, &self.namespace()))
     }
 
     fn x_key(&self, group: u32, partition: i32) -> String {
-        format!("{}x:{partition}", self.group_prefix(group))
+        format!("{}x:{partition}", self.data_prefix(group, &self.namespace()))
+    }
+
+    fn holds_key(&self) -> String {
+        format!("{}holds", self.data_prefix(0, &self.namespace()))
+    }
+
+    /// A new namespace name: the settings tag and 64 random bits.
+    fn new_namespace_name(&self) -> String {
+        format!("{}.{:016x}", self.settings_tag, rand::random::<u64>())
+    }
+
+    fn is_ours(&self, ns: &str) -> bool {
+        ns.split_once('.').is_some_and(|(tag, _)| tag == self.settings_tag)
+    }
+
+    /// Joins the cache's namespace, creating it if the cache has none; a namespace built
+    /// under other decision settings is replaced (the settings registry already said
+    /// ours are the topic's), and one a key group lost is renewed. Returns the name.
+    pub async fn open(&mut self) -> Result<String, DedupError> {
+        let v0: Option<String> = self.query(redis::cmd("GET").arg(self.ns_key(0)).clone(), 0).await?;
+        let ns = match v0 {
+            Some(v) if self.is_ours(&v) => {
+                let mut lost_group = false;
+                for g in 1..self.groups {
+                    let vg: Option<String> = self.query(redis::cmd("GET").arg(self.ns_key(g)).clone(), g).await?;
+                    match vg {
+                        None => lost_group = true,
+                        Some(x) if x != v => self.set_ns(g, &v).await?,
+                        Some(_) => {}
+                    }
+                }
+                if lost_group {
+                    return self.renew(&v).await;
+                }
+                v
+            }
+            Some(v) => return self.renew(&v).await,
+            None => {
+                let candidate = self.new_namespace_name();
+                for g in 1..self.groups {
+                    self.set_ns(g, &candidate).await?;
+                }
+                let open = redis::cmd("FCALL").arg(&self.functions.open).arg(1).arg(self.ns_key(0)).arg(&candidate).clone();
+                let winner: String = self.query(open, 0).await?;
+                if winner != candidate {
+                    for g in 1..self.groups {
+                        self.set_ns(g, &winner).await?;
+                    }
+                }
+                if !self.is_ours(&winner) {
+                    return self.renew(&winner).await;
+                }
+                winner
+            }
+        };
+        *self.namespace.lock().expect("not poisoned") = Some(ns.clone());
+        Ok(ns)
+    }
+
+    /// Moves the cache from the namespace `lost` to a new one (unless another member
+    /// already did: then to that one); returns its name.
+    async fn renew(&mut self, lost: &str) -> Result<String, DedupError> {
+        let candidate = self.new_namespace_name();
+        for g in 1..self.groups {
+            self.set_ns(g, &candidate).await?;
+        }
+        let renew = redis::cmd("FCALL")
+            .arg(&self.functions.renew)
+            .arg(2)
+            .arg(self.ns_key(0))
+            .arg(self.previous_ns_key())
+            .arg(lost)
+            .arg(&candidate)
+            .clone();
+        let winner: String = self.query(renew, 0).await?;
+        if winner != candidate {
+            for g in 1..self.groups {
+                self.set_ns(g, &winner).await?;
+            }
+        }
+        if !self.is_ours(&winner) {
+            return Err(DedupError::Fatal(format!(
+                "the dedup cache of {} was renewed by a member with other decision settings (namespace {winner}, \
+                 ours are {}); run every member with the settings the topic records",
+                self.topic, self.settings_tag
+            )));
+        }
+        tracing::warn!(lost, namespace = %winner, "the dedup cache starts over in a new namespace");
+        *self.namespace.lock().expect("not poisoned") = Some(winner.clone());
+        self.acked.1.clear();
+        Ok(winner)
+    }
+
+    /// What to do after a claim answered [`DedupError::Lost`]: set right a key group a
+    /// racing renewal left behind, or move to (or adopt) a new namespace.
+    pub async fn recover(&mut self, lost: &Lost) -> Result<Recovery, DedupError> {
+        let ours = self.namespace();
+        if lost.why == "frontier" {
+            return self.renew(&ours).await.map(Recovery::Renewed);
+        }
+        let v0: Option<String> = self.query(redis::cmd("GET").arg(self.ns_key(0)).clone(), 0).await?;
+        match v0 {
+            None => self.renew(&ours).await.map(Recovery::Renewed),
+            Some(v) if v != ours => {
+                if !self.is_ours(&v) {
+                    return self.renew(&v).await.map(Recovery::Renewed);
+                }
+                for g in 1..self.groups {
+                    self.set_ns(g, &v).await?;
+                }
+                tracing::warn!(lost = %ours, namespace = %v, "another member moved the dedup cache to a new namespace");
+                *self.namespace.lock().expect("not poisoned") = Some(v.clone());
+                self.acked.1.clear();
+                Ok(Recovery::Renewed(v))
+            }
+            // Group 0 holds ours: the group that answered lost its data, or holds what a
+            // racing renewal wrote before it lost the race.
+            Some(_) if lost.group != 0 && !lost.detail.is_empty() => {
+                self.set_ns(lost.group, &ours).await?;
+                Ok(Recovery::Retry)
+            }
+            Some(_) => self.renew(&ours).await.map(Recovery::Renewed),
+        }
+    }
+
+    async fn set_ns(&mut self, group: u32, ns: &str) -> Result<(), DedupError> {
+        let _: Value = self.query(redis::cmd("SET").arg(self.ns_key(group)).arg(ns).clone(), group).await?;
+        Ok(())
+    }
+
+    /// One command on the node serving key group `group`.
+    async fn query<T: redis::FromRedisValue>(&mut self, cmd: redis::Cmd, group: u32) -> Result<T, DedupError> {
+        let _ = group; // routed by its key's slot
+        let mut values = self.each(vec![cmd]).await?;
+        redis::from_redis_value(values.pop().unwrap_or(Value::Nil))
+            .map_err(|e| DedupError::Fatal(format!("unexpected reply: {e}")))
+    }
+
+    /// Opens the namespace unless this member already uses one.
+    async fn ensure_open(&mut self) -> Result<(), DedupError> {
+        if self.namespace().is_empty() {
+            self.open().await?;
+        }
+        Ok(())
     }
 
     async fn connection(&mut self) -> Result<&mut Conn, DedupError> {
@@ -299,11 +600,22 @@ impl SharedCache {
                         .await
                         .map_err(DedupError::classify)?;
                     // Loading is idempotent; "already exists" means another member was first.
+                    // A Redis that refuses writes (out of memory, a read-only replica) may
+                    // still hold the library: then the connection is good for what it can do.
                     let loaded: Result<String, RedisError> =
                         redis::cmd("FUNCTION").arg("LOAD").arg(&self.library).query_async(&mut conn).await;
                     if let Err(e) = loaded {
                         if !e.to_string().contains("already exists") {
-                            return Err(DedupError::classify(e));
+                            let name = self.library_name();
+                            let listed: Result<Value, RedisError> = redis::cmd("FUNCTION")
+                                .arg("LIST")
+                                .arg("LIBRARYNAME")
+                                .arg(&name)
+                                .query_async(&mut conn)
+                                .await;
+                            if !matches!(listed, Ok(Value::Array(ref libs)) if !libs.is_empty()) {
+                                return Err(DedupError::classify(e));
+                            }
                         }
                     }
                     Conn::Single(conn)
@@ -369,21 +681,22 @@ impl SharedCache {
     }
 
     /// The `FCALL` that claims `members` (positions in `claims`, all in `group`), with
-    /// the poll batch's marks.
-    fn claim_call(&self, group: u32, members: &[usize], claims: &[Claim], marks: &[u8]) -> redis::Cmd {
+    /// the poll batch's marks and what this handle saw acknowledged before.
+    fn claim_call(&self, group: u32, members: &[usize], claims: &[Claim], marks: &[u8], expect: &[u8]) -> redis::Cmd {
         let mut partitions: Vec<i32> = members.iter().map(|&i| claims[i].sighting.partition).collect();
         partitions.sort_unstable();
         partitions.dedup();
-        let mut keys = vec![self.frontier_key(group)];
+        let mut keys = vec![self.ns_key(group), self.frontier_key(group)];
         keys.extend(partitions.iter().map(|&p| self.x_key(group, p)));
-        let mut index: BTreeMap<u32, u16> = BTreeMap::new();
-        let mut blob = Vec::with_capacity(members.len() * 26);
+        // A u32 index: a poll batch may touch more shard hashes than a u16 counts.
+        let mut index: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut blob = Vec::with_capacity(members.len() * CLAIM_SIZE);
         for &i in members {
             let c = &claims[i];
             let shard = c.fingerprint.shard(self.shards);
             let ki = *index.entry(shard).or_insert_with(|| {
                 keys.push(self.shard_key(shard));
-                keys.len() as u16
+                keys.len() as u32
             });
             let s = c.sighting;
             blob.extend_from_slice(&ki.to_be_bytes());
@@ -395,17 +708,30 @@ impl SharedCache {
         }
         let named: Vec<String> = partitions.iter().map(i32::to_string).collect();
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg(&self.claim_fn).arg(keys.len()).arg(&keys).arg(self.window).arg(blob).arg(named.join(",")).arg(marks);
+        cmd.arg(&self.functions.claim)
+            .arg(keys.len())
+            .arg(&keys)
+            .arg(self.namespace())
+            .arg(self.window)
+            .arg(blob)
+            .arg(named.join(","))
+            .arg(marks)
+            .arg(expect)
+            .arg(self.partitions.load(Ordering::Relaxed));
         cmd
     }
 
     /// Claims every click, in order, with one `FCALL` per key group; verdicts come back
     /// in input order. A click appearing twice is decided in order. Returns only once the
     /// claims are as durable as `redis.wait_replicas` asks.
+    ///
+    /// With no claims it still asks every group whether it holds what this member relies
+    /// on (an idle member's check for a lost cache). A sighting that must wait for another
+    /// partition's state to be rebuilt is answered [`Verdict::Wait`], and so is every later
+    /// one of its partition in that group: the reader reads them again later (claimed
+    /// again, the ones decided now answer what they answered now).
     pub async fn claim(&mut self, claims: &[Claim]) -> Result<Vec<Verdict>, DedupError> {
-        if claims.is_empty() {
-            return Ok(Vec::new());
-        }
+        self.ensure_open().await?;
         // Per group: the claims' positions in `claims`, in order. Every group gets a call,
         // with the marks: the highest offset claimed per partition and its record time.
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.groups as usize];
@@ -424,18 +750,55 @@ impl SharedCache {
             mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             mark_blob.extend_from_slice(&clock.to_be_bytes());
         }
-        let calls: Vec<redis::Cmd> =
-            (0..self.groups).map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob)).collect();
+        // What this handle saw acknowledged: of the batch's partitions, or of all it
+        // claimed for when this is an idle check.
+        let ns = self.namespace();
+        if self.acked.0 != ns {
+            self.acked = (ns, BTreeMap::new());
+        }
+        let mut expect = Vec::new();
+        for (&p, &o) in &self.acked.1 {
+            if claims.is_empty() || marks.contains_key(&p) {
+                expect.extend_from_slice(&(p as u16).to_be_bytes());
+                expect.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+            }
+        }
+        let calls: Vec<redis::Cmd> = (0..self.groups)
+            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect))
+            .collect();
         let replies = self.run_claims(calls).await?;
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
-        for (members, codes) in by_group.iter().zip(&replies) {
+        let mut unready = std::collections::BTreeSet::new();
+        for (g, (members, reply)) in by_group.iter().zip(replies).enumerate() {
+            let (status, codes, detail) = reply;
+            if status == "LOST" {
+                let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
+                return Err(DedupError::Lost(Lost { group: g as u32, why: why.to_string(), detail: detail.to_string() }));
+            }
             if codes.len() != members.len() {
                 return Err(DedupError::Fatal(format!("{} verdicts for {} claims", codes.len(), members.len())));
             }
-            for (&i, &code) in members.iter().zip(codes) {
+            for (&i, &code) in members.iter().zip(&codes) {
                 verdicts[i] = Verdict::from_code(code)
                     .ok_or_else(|| DedupError::Fatal(format!("unknown verdict byte {code}")))?;
             }
+            unready.extend(detail.split(',').filter(|p| !p.is_empty()).map(str::to_string));
+        }
+        // A partition with a sighting that waits did not reach its mark in the group that
+        // held it: what is acknowledged of it stays where it was.
+        let waiting: std::collections::BTreeSet<i32> = claims
+            .iter()
+            .zip(&verdicts)
+            .filter(|(_, v)| **v == Verdict::Wait)
+            .map(|(c, _)| c.sighting.partition)
+            .collect();
+        if !waiting.is_empty() {
+            let unready: Vec<String> = unready.into_iter().collect();
+            tracing::debug!(?waiting, unready = %unready.join(","), "sightings wait for other partitions' state");
+        }
+        for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !waiting.contains(p)) {
+            let seen = self.acked.1.entry(p).or_insert(o);
+            *seen = (*seen).max(o);
         }
         Ok(verdicts)
     }
@@ -444,7 +807,7 @@ impl SharedCache {
     /// that order: one pipeline on a single Redis; on a cluster one pipeline per master,
     /// all masters at once. Each pipeline ends with `WAIT` when claims must be durable:
     /// on the same connection, after the calls, so it counts exactly their writes.
-    async fn run_claims(&mut self, calls: Vec<redis::Cmd>) -> Result<Vec<Vec<u8>>, DedupError> {
+    async fn run_claims(&mut self, calls: Vec<redis::Cmd>) -> Result<Vec<ClaimReply>, DedupError> {
         let wait = self.wait;
         let groups: Vec<u32> = (0..self.groups).collect();
         let slots_of: Vec<u16> = groups.iter().map(|&g| slot_of(&self.frontier_key(g))).collect();
@@ -535,7 +898,11 @@ impl SharedCache {
         }
         values
             .into_iter()
-            .map(|v| redis::from_redis_value::<Vec<u8>>(v).map_err(|e| DedupError::Fatal(format!("claim reply: {e}"))))
+            .map(|v| {
+                let (status, codes, detail): (String, Vec<u8>, String) =
+                    redis::from_redis_value(v).map_err(|e| DedupError::Fatal(format!("claim reply: {e}")))?;
+                Ok((status, codes, detail))
+            })
             .collect()
     }
 
@@ -548,6 +915,7 @@ impl SharedCache {
         if partitions.is_empty() {
             return Ok(BTreeMap::new());
         }
+        self.ensure_open().await?;
         let cmds = (0..self.groups)
             .map(|g| {
                 let mut cmd = redis::cmd("HMGET");
@@ -567,7 +935,7 @@ impl SharedCache {
                 redis::from_redis_value(reply).map_err(|e| DedupError::Fatal(format!("frontier reply: {e}")))?;
             for (&p, v) in partitions.iter().zip(values) {
                 let f = v.filter(|v| v.len() == 16).map(|v| CacheFrontier {
-                    claimed: u48(&v[..6]),
+                    claimed: u48(&v[..6]) - 1,
                     clock: Secs::from_be_bytes(v[6..10].try_into().expect("4 bytes")),
                     exact_from: u48(&v[10..16]),
                 });
@@ -577,23 +945,67 @@ impl SharedCache {
         Ok(out)
     }
 
-    /// Before a warm-up of `partition` from `lookback` (because the cache lost what lies
-    /// before its boundary): from now on its re-reads are decided by the cache only from
-    /// `boundary` on (`claim.lua`, `restart`), in every key group.
+    /// Before a reader counts `partition` from `boundary` after a warm-up from
+    /// `lookback`: unless the cache is already past the lookback, its re-reads are
+    /// decided only from `boundary` on (`claim.lua`, `restart`), in every key group, and
+    /// the partition is not ready until the warm-up reaches the boundary. A partition
+    /// the namespace never saw gets its frontier here, so that others wait for it.
     pub async fn restart(&mut self, partition: i32, lookback: i64, boundary: i64) -> Result<(), DedupError> {
+        self.ensure_open().await?;
+        let ns = self.namespace();
         let cmds = (0..self.groups)
             .map(|g| {
                 let mut cmd = redis::cmd("FCALL");
-                cmd.arg(&self.restart_fn).arg(1).arg(self.frontier_key(g)).arg(partition).arg(lookback).arg(boundary);
+                cmd.arg(&self.functions.restart)
+                    .arg(2)
+                    .arg(self.ns_key(g))
+                    .arg(self.frontier_key(g))
+                    .arg(&ns)
+                    .arg(partition)
+                    .arg(lookback)
+                    .arg(boundary);
                 cmd
+            })
+            .collect();
+        for (g, reply) in self.each(cmds).await?.into_iter().enumerate() {
+            if let Value::Array(parts) = reply {
+                let detail: String = parts.get(2).and_then(|v| redis::from_redis_value_ref(v).ok()).unwrap_or_default();
+                let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
+                return Err(DedupError::Lost(Lost { group: g as u32, why: why.to_string(), detail: detail.to_string() }));
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps the sweeper from collecting what lagging readers may still need: per
+    /// partition, the record time a reader of it has reached, or `None` when it no
+    /// longer lags (group 0's `holds`).
+    pub async fn set_holds(&mut self, holds: &BTreeMap<i32, Option<Secs>>) -> Result<(), DedupError> {
+        if holds.is_empty() {
+            return Ok(());
+        }
+        self.ensure_open().await?;
+        let key = self.holds_key();
+        let cmds = holds
+            .iter()
+            .map(|(&p, &hold)| match hold {
+                Some(t) => redis::cmd("HSET").arg(&key).arg(p).arg(t).clone(),
+                None => redis::cmd("HDEL").arg(&key).arg(p).clone(),
             })
             .collect();
         self.each(cmds).await.map(drop)
     }
 
+    /// The lowest record time a lagging reader holds, if any.
+    async fn lowest_hold(&mut self) -> Result<Option<Secs>, DedupError> {
+        let held: Vec<Secs> = self.query(redis::cmd("HVALS").arg(self.holds_key()).clone(), 0).await?;
+        Ok(held.into_iter().min())
+    }
+
     /// The cross-partition decisions of `partition` in `[from, to]` still in the cache
     /// (made by a live member whose flush may not have recorded them yet).
     pub async fn cached_pins(&mut self, partition: i32, from: i64, to: i64) -> Result<BTreeMap<i64, Pin>, DedupError> {
+        self.ensure_open().await?;
         let cmds = (0..self.groups)
             .map(|g| {
                 let mut cmd = redis::cmd("ZRANGEBYSCORE");
@@ -616,6 +1028,7 @@ impl SharedCache {
         if committed.is_empty() {
             return Ok(());
         }
+        self.ensure_open().await?;
         let mut cmds = Vec::new();
         for g in 0..self.groups {
             for (&p, &c) in committed {
@@ -627,29 +1040,54 @@ impl SharedCache {
         self.each(cmds).await.map(drop)
     }
 
-    /// Deletes the entries of `shards` last seen before `cutoff`; returns how many.
+    /// Deletes the entries of `shards` last seen before `cutoff`; returns how many. The
+    /// same shards of the namespace a renewal replaced go altogether.
     pub async fn sweep(&mut self, shards: std::ops::Range<u32>, cutoff: Secs) -> Result<u64, DedupError> {
+        self.ensure_open().await?;
+        let previous: Option<String> = self.query(redis::cmd("GET").arg(self.previous_ns_key()).clone(), 0).await?;
         let mut by_group: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+        let mut old_keys = Vec::new();
         for s in shards {
             by_group.entry(self.group_of(s)).or_default().push(self.shard_key(s));
+            if let Some(prev) = &previous {
+                old_keys.push(self.shard_key_in(s, prev));
+            }
         }
         if by_group.is_empty() {
             return Ok(0);
         }
-        let cmds = by_group
+        let mut cmds: Vec<redis::Cmd> = by_group
             .values()
             .map(|keys| {
                 let mut cmd = redis::cmd("FCALL");
-                cmd.arg(&self.sweep_fn).arg(keys.len()).arg(keys).arg(cutoff);
+                cmd.arg(&self.functions.sweep).arg(keys.len()).arg(keys).arg(cutoff);
                 cmd
             })
             .collect();
+        let sweeps = cmds.len();
+        // One key per command: a cluster routes each to the node that serves it.
+        cmds.extend(old_keys.iter().map(|k| redis::cmd("UNLINK").arg(k).clone()));
         let mut removed = 0;
-        for reply in self.each(cmds).await? {
+        for reply in self.each(cmds).await?.into_iter().take(sweeps) {
             removed +=
                 redis::from_redis_value::<u64>(reply).map_err(|e| DedupError::Fatal(format!("sweep reply: {e}")))?;
         }
         Ok(removed)
+    }
+
+    /// After a full sweep cycle: the replaced namespace's remaining keys go, and with
+    /// them the record that it exists.
+    async fn forget_previous(&mut self) -> Result<(), DedupError> {
+        let previous: Option<String> = self.query(redis::cmd("GET").arg(self.previous_ns_key()).clone(), 0).await?;
+        let Some(prev) = previous else { return Ok(()) };
+        let mut cmds = Vec::new();
+        for g in 0..self.groups {
+            let pattern = format!("{}*", self.data_prefix(g, &prev));
+            let keys: Vec<String> = self.query(redis::cmd("KEYS").arg(&pattern).clone(), g).await.unwrap_or_default();
+            cmds.extend(keys.into_iter().map(|k| redis::cmd("UNLINK").arg(k).clone()));
+        }
+        cmds.push(redis::cmd("DEL").arg(self.previous_ns_key()).clone());
+        self.each(cmds).await.map(drop)
     }
 
     /// Refuses a Redis that may evict dedup entries: a forgotten entry lets a duplicate
@@ -688,7 +1126,7 @@ impl SharedCache {
                     self.conn = None;
                     return Err(DedupError::Transient(e));
                 }
-                Err(DedupError::Fatal(e)) => {
+                Err(e) => {
                     tracing::warn!(error = %e, %node, "cannot read Redis maxmemory-policy; make sure it is noeviction");
                 }
             }
@@ -704,10 +1142,11 @@ impl SharedCache {
 
 /// The garbage collector of the shared cache, run by every member: it walks all shards
 /// once per quarter of `max_record_lag` (starting at a random shard, so members spread
-/// out) and deletes entries whose last sighting is more than `window + max_record_lag`
-/// before the wall clock. A member lagging less than `max_record_lag` never needs them;
-/// one lagging more stops trusting the cache (`pipeline`). Errors are logged and the
-/// walk goes on: a missed sweep only costs memory.
+/// out) and deletes entries whose last sighting is before [`sweep_cutoff`]: more than
+/// `window + max_record_lag` before the wall clock, and more than a window before what
+/// any lagging reader holds (`SharedCache::set_holds`). After each full walk the keys
+/// of a namespace a renewal replaced are gone too. Errors are logged and the walk goes
+/// on: a missed sweep only costs memory.
 pub async fn sweep_forever(
     mut cache: SharedCache,
     window: Duration,
@@ -727,10 +1166,17 @@ pub async fn sweep_forever(
             _ = shutdown.cancelled() => return,
             _ = ticker.tick() => {}
         }
-        let horizon = (window + max_record_lag).as_secs() as i64;
-        let cutoff = (chrono::Utc::now().timestamp() - horizon).clamp(0, i64::from(Secs::MAX)) as Secs;
         let end = (cursor + per_tick).min(shards);
-        match cache.sweep(cursor..end, cutoff).await {
+        let swept = async {
+            let held = cache.lowest_hold().await?;
+            let cutoff = sweep_cutoff(chrono::Utc::now().timestamp(), window, max_record_lag, held);
+            let removed = cache.sweep(cursor..end, cutoff).await?;
+            if end >= shards {
+                cache.forget_previous().await?;
+            }
+            Ok::<_, DedupError>(removed)
+        };
+        match swept.await {
             Ok(removed) => metrics::counter!(crate::telemetry::DEDUP_SWEPT).increment(removed),
             Err(e) => {
                 failures += 1;
@@ -743,6 +1189,17 @@ pub async fn sweep_forever(
     }
 }
 
+/// The record time before which the sweeper deletes sightings, at wall time `now` (s):
+/// a window and `max_record_lag` before the wall clock, or a window before the lowest
+/// record time a lagging reader holds, whichever is earlier. Every later sighting of a
+/// reader has a record time at or after the one it holds (the clock never goes back),
+/// so nothing within its window is collected however far behind it reads.
+pub fn sweep_cutoff(now: i64, window: Duration, max_record_lag: Duration, held: Option<Secs>) -> Secs {
+    let by_wall = now - (window + max_record_lag).as_secs() as i64;
+    let by_hold = held.map_or(i64::MAX, |h| i64::from(h) - window.as_secs() as i64 - 1);
+    by_wall.min(by_hold).clamp(0, i64::from(Secs::MAX)) as Secs
+}
+
 /// The claim task of a member: applies each poll batch's claims in the order they were
 /// handed over (the cache's decisions depend on that order), retrying while Redis is
 /// unavailable — dedup is never skipped — so the member can decode the next poll batch
@@ -753,7 +1210,7 @@ pub struct Claimer {
     // Unbounded: the member loop bounds what it hands over (two batches in flight,
     // fewer than that reaching it while consumption is paused), and must never block
     // here, or it would stop polling Kafka and be evicted from the group.
-    tx: tokio::sync::mpsc::UnboundedSender<Vec<Claim>>,
+    tx: tokio::sync::mpsc::UnboundedSender<ClaimBatch>,
 }
 
 /// The verdicts of the handed-over batches, in order.
@@ -766,19 +1223,42 @@ impl Claimer {
         health: std::sync::Arc<crate::health::Health>,
     ) -> (Claimer, Verdicts) {
         use crate::telemetry as t;
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Vec<Claim>>();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ClaimBatch>();
         let (answer_tx, answers) = tokio::sync::mpsc::channel(4);
         tokio::spawn(async move {
             let log_limit = t::RateLimiter::new(Duration::from_secs(5));
-            while let Some(claims) = rx.recv().await {
+            // Per partition, the reader generation whose sighting had to wait: its later
+            // claims, already handed over, must not be decided before that sighting (the
+            // reader is rewound to it and claims them again under a new generation).
+            let mut waiting: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
+            while let Some(batch) = rx.recv().await {
+                let stale = |i: usize| {
+                    let p = batch.claims[i].sighting.partition;
+                    waiting.get(&p).is_some_and(|&g| batch.generations[i] <= g)
+                };
+                let (sent, held): (Vec<usize>, Vec<usize>) = (0..batch.claims.len()).partition(|&i| !stale(i));
+                for &i in &sent {
+                    waiting.remove(&batch.claims[i].sighting.partition);
+                }
+                let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
                 let mut backoff = crate::pipeline::Backoff::new(max_backoff);
                 let answer = loop {
                     match cache.claim(&claims).await {
                         Ok(v) => {
                             health.set_claims_failing(None);
-                            break Ok(v);
+                            let mut all = vec![Verdict::Wait; batch.claims.len()];
+                            for (&i, verdict) in sent.iter().zip(v) {
+                                if verdict == Verdict::Wait {
+                                    let p = batch.claims[i].sighting.partition;
+                                    let g = waiting.entry(p).or_insert(batch.generations[i]);
+                                    *g = (*g).max(batch.generations[i]);
+                                }
+                                all[i] = verdict;
+                            }
+                            debug_assert!(held.iter().all(|&i| all[i] == Verdict::Wait));
+                            break Ok(all);
                         }
-                        Err(e) if e.is_fatal() => break Err(e),
+                        Err(e) if e.is_fatal() || e.is_lost() => break Err(e),
                         Err(e) => {
                             // The member loop pauses consumption while this is set.
                             let trouble = crate::health::RedisTrouble::of(&e.to_string());
@@ -804,7 +1284,7 @@ impl Claimer {
     }
 
     /// Hands one poll batch's claims over.
-    pub fn claim(&self, claims: Vec<Claim>) {
-        let _ = self.tx.send(claims);
+    pub fn claim(&self, batch: ClaimBatch) {
+        let _ = self.tx.send(batch);
     }
 }

@@ -81,7 +81,7 @@ impl Partition {
         match self.start.scope {
             _ if self.next() < self.start.count_from => "warming up",
             Scope::Shared { .. } => "shared",
-            Scope::Private => "private",
+            Scope::Private { .. } => "private",
         }
     }
 
@@ -310,7 +310,7 @@ mod tests {
     use super::*;
 
     fn start(partition: i32, read_from: i64, count_from: i64, scope: Scope) -> Start {
-        Start { partition, read_from, count_from, clock: None, scope }
+        Start { partition, read_from, count_from, clock: Default::default(), scope }
     }
 
     fn board() -> StatusBoard {
@@ -350,7 +350,7 @@ mod tests {
         b.read_up_to([(0, 1500), (1, 10), (7, 99)]);
         b.flushed([0, 7], &BTreeMap::new(), 990.0);
         b.committed(&BTreeMap::from([(0, 1000), (7, 5)]));
-        b.reading(&start(0, 200, 1000, Scope::Private));
+        b.reading(&start(0, 200, 1000, Scope::Private { resume: None }));
         let r = &rows(&b)[0];
         assert_eq!(
             (r.committed_offset, r.last_flush_age_seconds, r.last_flush_at),

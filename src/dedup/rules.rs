@@ -1,0 +1,93 @@
+//! The settings that decide which clicks count (README, "What counts"): the window, the
+//! fingerprint key, the shard count and the validation limits. They are part of the
+//! definition, as the batch size is part of every batch's identity: a reader with other
+//! values decides differently, so they are recorded per topic (`clickagg_settings`)
+//! and every member must run with the ones recorded; `clickagg settings change`
+//! changes them on purpose, from a recorded position on.
+
+use serde::{Deserialize, Serialize};
+use siphasher::sip128::{Hasher128, SipHasher13};
+
+/// What shapes decisions, as recorded: durations in whole seconds, the fingerprint key
+/// only as an identifier (a keyed hash with public keys: names the key, reveals
+/// nothing usable about it).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rules {
+    pub window_secs: u64,
+    pub fingerprint_key_id: String,
+    pub shards: u32,
+    pub max_payload_bytes: u64,
+    pub max_click_id_len: u64,
+    pub max_future_skew_secs: u64,
+    pub max_lateness_secs: u64,
+}
+
+impl Rules {
+    /// The identifier of a fingerprint key: 64 bits of a SipHash-1-3 under public keys.
+    pub fn key_id(key: &str) -> String {
+        let mut h = SipHasher13::new_with_keys(0x7275_6c65_732d_6b65, 0x792d_6964_656e_7469);
+        std::hash::Hasher::write(&mut h, key.as_bytes());
+        format!("{:016x}", h.finish128().h1)
+    }
+
+    /// A short name of all of them together: part of the dedup cache's namespace.
+    pub fn tag(&self) -> String {
+        let text = serde_json::to_string(self).expect("rules always serialize");
+        let mut h = SipHasher13::new_with_keys(0, 0);
+        std::hash::Hasher::write(&mut h, text.as_bytes());
+        format!("{:08x}", h.finish128().h1 as u32)
+    }
+
+    /// Every setting whose value differs from `recorded`: (setting name, ours, recorded).
+    pub fn differences(&self, recorded: &Rules) -> Vec<(&'static str, String, String)> {
+        let secs = |s: u64| humantime::format_duration(std::time::Duration::from_secs(s)).to_string();
+        let mut out = Vec::new();
+        let mut check = |name: &'static str, ours: String, theirs: String| {
+            if ours != theirs {
+                out.push((name, ours, theirs));
+            }
+        };
+        check("dedup.window", secs(self.window_secs), secs(recorded.window_secs));
+        check(
+            "dedup.fingerprint_key",
+            format!("a key with id {}", self.fingerprint_key_id),
+            format!("a key with id {}", recorded.fingerprint_key_id),
+        );
+        check("dedup.shards", self.shards.to_string(), recorded.shards.to_string());
+        check("validation.max_payload_bytes", self.max_payload_bytes.to_string(), recorded.max_payload_bytes.to_string());
+        check("validation.max_click_id_len", self.max_click_id_len.to_string(), recorded.max_click_id_len.to_string());
+        check("validation.max_future_skew", secs(self.max_future_skew_secs), secs(recorded.max_future_skew_secs));
+        check("validation.max_lateness", secs(self.max_lateness_secs), secs(recorded.max_lateness_secs));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> Rules {
+        Rules {
+            window_secs: 86_400,
+            fingerprint_key_id: Rules::key_id("secret"),
+            shards: 65_536,
+            max_payload_bytes: 65_536,
+            max_click_id_len: 128,
+            max_future_skew_secs: 300,
+            max_lateness_secs: 21_600,
+        }
+    }
+
+    #[test]
+    fn a_changed_setting_is_named_with_both_values_and_the_key_only_by_its_id() {
+        let other = Rules { window_secs: 3_600, fingerprint_key_id: Rules::key_id("other"), ..rules() };
+        let d = rules().differences(&other);
+        assert_eq!(d.len(), 2, "{d:?}");
+        assert_eq!(d[0], ("dedup.window", "1day".to_string(), "1h".to_string()));
+        assert_eq!(d[1].0, "dedup.fingerprint_key");
+        assert!(!d[1].1.contains("secret") && !d[1].2.contains("other"));
+        assert!(rules().differences(&rules()).is_empty());
+        assert_ne!(rules().tag(), other.tag());
+        assert_eq!(rules().tag(), rules().tag());
+    }
+}
