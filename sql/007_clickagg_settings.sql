@@ -4,8 +4,9 @@
 -- start of every partition; each later version (`clickagg settings change`) from the
 -- offsets in `effective` (JSON: partition -> first offset decided under it, a batch
 -- boundary). A member with other settings refuses to start; a replay decides every
--- range under the version recorded for it. `topic_id` is the Kafka topic's ID when
--- first registered: a topic deleted and recreated under the same name has another.
+-- range under the version recorded for it. A row of version 0 holds no settings but
+-- the Kafka topic's ID (`topic_id`), recorded by the first member that saw it: a topic
+-- deleted and recreated under the same name has another, and members refuse it.
 CREATE TABLE IF NOT EXISTS clickagg_settings
 (
     topic         String,

@@ -290,17 +290,20 @@ pub struct DedupSettings {
     /// click ID lies less than `W` before it in its partition. Whole seconds.
     #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
     pub window: Option<Duration>,
-    /// How far a partition may lag behind the wall clock, in record time, while its
-    /// member still trusts the Redis cache. Redis keeps each entry for `window +
-    /// max_record_lag`; a partition lagging more is decided from a rebuild of the log.
+    /// How far behind the wall clock, in record time, the sweeper keeps sightings for
+    /// readers that do not say they lag: it deletes entries last seen more than `window +
+    /// max_record_lag` ago, but never within `window` of the record time a lagging reader
+    /// has reached (a reader lagging more than half of this says so). Shape the Redis
+    /// memory: entries live about `window + max_record_lag`.
     #[serde(with = "humantime_serde")]
     pub max_record_lag: Duration,
     /// Hashes the cache is spread over (a power of two, 4096 to 2^24). Size it so each
-    /// holds 64 to 200 entries: clicks per (`window` + `max_record_lag`) / 100. Fixed per
-    /// key prefix.
+    /// holds 64 to 200 entries: clicks per (`window` + `max_record_lag`) / 100. Recorded
+    /// per topic: change it with `clickagg settings change`.
     pub shards: u32,
     /// Key of the click-ID fingerprint (SipHash): set a secret of your own so nobody can
-    /// make two click IDs collide on purpose. Fixed per key prefix.
+    /// make two click IDs collide on purpose. Recorded per topic (by an identifier, never
+    /// the key): change it with `clickagg settings change`.
     pub fingerprint_key: Secret,
 }
 

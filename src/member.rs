@@ -712,22 +712,13 @@ async fn check_topic_config(s: &Settings) -> Result<(), PipelineError> {
 }
 
 /// Refuses to run with decision settings other than the topic's (`clickagg_settings`,
-/// registering ours when none are recorded), and a topic whose Kafka ID is not the one
-/// recorded (deleted and recreated: its offsets start over). Returns the recorded
-/// versions, for the planning of each partition's start.
+/// registering ours when none are recorded). Returns the recorded versions, for the
+/// planning of each partition's start.
 async fn check_recorded_rules(s: &Settings, sink: &Sink) -> Result<crate::sink::RulesHistory, PipelineError> {
-    let k = s.kafka.clone();
-    let topic = s.kafka.topic.clone();
-    let topic_id = tokio::task::spawn_blocking(move || {
-        let c = source::lookup_consumer(&k)?;
-        source::topic_id(&c, &topic, Duration::from_secs(10))
-    })
-    .await
-    .map_err(|e| PipelineError::Fatal(e.to_string()))?
-    // A topic not created yet has no ID; the first member that sees it records it.
-    .unwrap_or(None);
     let ours = s.rules();
-    let history = sink.register_rules(&s.kafka.topic, &ours, topic_id.as_deref()).await?;
+    // The topic's ID is checked once the group has assigned partitions (`Stages`): the
+    // broker is known to answer then, and a member with bad credentials stops at once.
+    let history = sink.register_rules(&s.kafka.topic, &ours, None).await?;
     let latest = history.latest().expect("registration leaves at least one version");
     let differences = ours.differences(&latest.rules);
     if !differences.is_empty() {
@@ -743,17 +734,6 @@ async fn check_recorded_rules(s: &Settings, sink: &Sink) -> Result<crate::sink::
             latest.version,
             list.join("; ")
         )));
-    }
-    let recorded_id = history.versions.iter().find_map(|v| v.topic_id.clone());
-    if let (Some(recorded), Some(now)) = (&recorded_id, &topic_id) {
-        if recorded != now {
-            return Err(PipelineError::Fatal(format!(
-                "kafka topic {} has ID {now}, but the counts in ClickHouse were recorded for a topic of that name \
-                 with ID {recorded}: it was deleted and recreated, and its offsets would overwrite the old topic's \
-                 batches and take its pins. Write the new topic into another database (clickhouse.database).",
-                s.kafka.topic
-            )));
-        }
     }
     Ok(history)
 }

@@ -162,6 +162,8 @@ pub struct Stages {
     /// `None` for a replay, which never touches Redis.
     cache: Option<SharedCache>,
     rules: Option<crate::sink::RulesHistory>,
+    /// Whether the topic's Kafka ID was checked against the recorded one.
+    identity_checked: bool,
     window: Secs,
     max_record_lag: Duration,
     /// The partitions being read, with where each started and how it decides. Records
@@ -354,6 +356,7 @@ impl Stages {
             agg: Aggregator::new(cfg.batch_offsets),
             cache,
             rules: cfg.rules,
+            identity_checked: false,
             window,
             max_record_lag: cfg.max_record_lag,
             readers: HashMap::new(),
@@ -390,6 +393,9 @@ impl Stages {
             return Ok(Vec::new());
         }
         let timeout = Duration::from_secs(10);
+        if !self.identity_checked {
+            self.check_topic_identity(consumer, timeout).await?;
+        }
         let count = source::partitions(consumer, &self.topic, timeout)?.len();
         self.shared()?.set_partition_count(count as u32);
         let mut tpl = TopicPartitionList::new();
@@ -407,6 +413,7 @@ impl Stages {
         let marks = planner::marks(&self.sink, &self.topic, &at, self.window).await?;
         let frontiers = self.shared()?.frontiers(partitions).await?;
         let mut starts = Vec::new();
+        let mut holds = BTreeMap::new();
         for (&p, &m) in &marks {
             let from = self.rules.as_ref().map_or(0, |r| r.latest_from(p));
             if m.boundary < from {
@@ -436,6 +443,9 @@ impl Stages {
                 // partition the cache never saw gets its frontier here.
                 self.shared()?.restart(p, m.lookback.0, m.boundary).await?;
             }
+            // The sweeper must keep what this reader needs before it reads anything, if it
+            // starts far behind the wall clock with records to read (`Stages::holds`).
+            holds.insert(p, self.hold(start.clock.now(), start.read_from < at[&p].high));
             // Every recorded decision from the first offset read on: a re-read applies it,
             // warm-up included, with the effect it had on the cache (the frontier may be lost).
             let pins = self.pins_from(p, start.read_from).await?;
@@ -449,6 +459,11 @@ impl Stages {
             );
             starts.push((start, pins));
         }
+        let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
+        if !lagging.is_empty() {
+            info!(?lagging, "partitions lag the wall clock: the dedup cache keeps the sightings they still need");
+        }
+        self.shared()?.set_holds(&holds).await?;
         Ok(starts)
     }
 
@@ -578,16 +593,15 @@ impl Stages {
     /// log end (`behind`), `None` otherwise. A partition caught up with its log releases
     /// its hold however old its last record is: its next records are new traffic.
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
+        self.readers.iter().map(|(&p, r)| (p, self.hold(r.clock.now(), behind(p, r.last)))).collect()
+    }
+
+    /// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock
+    /// by more than half of `dedup.max_record_lag` with records still to read.
+    fn hold(&self, clock: Secs, behind: bool) -> Option<Secs> {
         let now = chrono::Utc::now().timestamp().max(0) as u64;
-        let half = self.max_record_lag.as_secs() / 2;
-        self.readers
-            .iter()
-            .map(|(&p, r)| {
-                let clock = r.clock.now();
-                let lagging = now.saturating_sub(u64::from(clock)) > half && behind(p, r.last);
-                (p, lagging.then_some(clock))
-            })
-            .collect()
+        let lagging = now.saturating_sub(u64::from(clock)) > self.max_record_lag.as_secs() / 2;
+        (lagging && behind).then_some(clock)
     }
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
@@ -771,6 +785,35 @@ impl Stages {
         }
         self.assign(starts);
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(partitions.len() as u64);
+        Ok(())
+    }
+
+    /// Refuses a topic whose Kafka ID is not the one recorded for its name: it was
+    /// deleted and recreated, its offsets start over, and its batches would overwrite
+    /// the old topic's rows and take its pins. Records the ID when none is.
+    async fn check_topic_identity<X: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<X>,
+        timeout: Duration,
+    ) -> Result<(), PipelineError> {
+        let Some(now) = source::topic_id_of(consumer, &self.topic, timeout)? else {
+            self.identity_checked = true;
+            return Ok(()); // a broker without topic IDs
+        };
+        match self.sink.recorded_topic_id(&self.topic).await? {
+            Some(recorded) if recorded != now => {
+                return Err(PipelineError::Fatal(format!(
+                    "kafka topic {} has ID {now}, but the counts in ClickHouse were recorded for a topic of that \
+                     name with ID {recorded}: it was deleted and recreated, and its offsets would overwrite the \
+                     old topic's batches and take its pins. Write the new topic into another database \
+                     (clickhouse.database).",
+                    self.topic
+                )))
+            }
+            Some(_) => {}
+            None => self.sink.record_topic_id(&self.topic, &now).await?,
+        }
+        self.identity_checked = true;
         Ok(())
     }
 

@@ -19,6 +19,8 @@ pub struct Boundary {
     pub boundary: i64,
     /// The first offset the broker still holds.
     pub low: i64,
+    /// The log end when planned.
+    pub high: i64,
 }
 
 /// For every partition, the recorded clocks a reader counting from its boundary needs

@@ -90,7 +90,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
         .partitions
         .iter()
         .map(|(&p, &(start, _))| {
-            (p, crate::planner::Boundary { boundary: n.start_of(start).max(lows[&p]), low: lows[&p] })
+            (p, crate::planner::Boundary { boundary: n.start_of(start).max(lows[&p]), low: lows[&p], high: i64::MAX })
         })
         .collect();
     let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);

@@ -273,7 +273,7 @@ async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap
     let at = counted
         .partitions
         .iter()
-        .map(|(&p, &(start, _))| (p, crate::planner::Boundary { boundary: start, low: lows[&p] }))
+        .map(|(&p, &(start, _))| (p, crate::planner::Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
         .collect();
     let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
     let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window).await?;

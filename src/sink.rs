@@ -768,6 +768,29 @@ impl Sink {
         .await
     }
 
+    /// The Kafka ID recorded for `topic` (a settings row of version 0), if any.
+    pub async fn recorded_topic_id(&self, topic: &str) -> Result<Option<String>, SinkError> {
+        let ids: Vec<String> = self
+            .timed(
+                self.client
+                    .query(
+                        "SELECT topic_id FROM clickagg_settings WHERE topic = ? AND topic_id != '' \
+                         ORDER BY registered_at, topic_id LIMIT 1",
+                    )
+                    .bind(topic)
+                    .fetch_all::<String>(),
+            )
+            .await?;
+        Ok(ids.into_iter().next())
+    }
+
+    /// Records the Kafka ID of `topic` (as a settings row of version 0, which holds no
+    /// settings).
+    pub async fn record_topic_id(&self, topic: &str, id: &str) -> Result<(), SinkError> {
+        let sql = "INSERT INTO clickagg_settings (topic, version, rules, effective, topic_id) VALUES (?, 0, '', '{}', ?)";
+        self.timed(self.client.query(sql).bind(topic).bind(id).execute()).await
+    }
+
     /// Every settings version recorded for `topic`; of racing registrations of one
     /// version, the earliest (ties: the smaller JSON).
     pub async fn rules_history(&self, topic: &str) -> Result<RulesHistory, SinkError> {
@@ -784,7 +807,7 @@ impl Sink {
                 self.client
                     .query(
                         "SELECT version, rules, effective, topic_id, toInt64(now()) - toInt64(registered_at) AS age_secs \
-                         FROM clickagg_settings WHERE topic = ? ORDER BY version, registered_at, rules",
+                         FROM clickagg_settings WHERE topic = ? AND version > 0 ORDER BY version, registered_at, rules",
                     )
                     .bind(topic)
                     .fetch_all::<R>(),

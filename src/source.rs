@@ -341,7 +341,7 @@ pub fn boundaries<X: ConsumerContext>(
     let mut out = BTreeMap::new();
     for (&p, &o) in requested {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
-        out.insert(p, crate::planner::Boundary { boundary: crate::position::boundary(n, low, high, o), low });
+        out.insert(p, crate::planner::Boundary { boundary: crate::position::boundary(n, low, high, o), low, high });
     }
     Ok(out)
 }
@@ -352,6 +352,15 @@ pub fn boundaries<X: ConsumerContext>(
 /// the old one must not be mistaken for its own. Blocking (DescribeTopics, up to
 /// `timeout`).
 pub fn topic_id(consumer: &BaseConsumer, topic: &str, timeout: Duration) -> Result<Option<String>, KafkaError> {
+    topic_id_of(consumer, topic, timeout)
+}
+
+/// [`topic_id`] through any client.
+pub fn topic_id_of<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    timeout: Duration,
+) -> Result<Option<String>, KafkaError> {
     use rdkafka::bindings as rd;
     let name = std::ffi::CString::new(topic).map_err(|_| KafkaError::AdminOp(RDKafkaErrorCode::InvalidTopic))?;
     let rk = consumer.client().native_ptr();

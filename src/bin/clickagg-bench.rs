@@ -10,6 +10,10 @@
 //!     each claim costs (masters and replicas, from INFO cpu)
 //! clickagg-bench memory --redis-url U --keys N --layout new|old --flush-all
 //!     FLUSHALL (a Redis of its own!), then N dedup keys; bytes per key from used_memory
+//! clickagg-bench private-memory --clicks N
+//!     the private dedup state of one partition (a member re-reading what the cache
+//!     cannot decide, a replay): N distinct clicks sighted within one window; bytes
+//!     per click held, from the process's resident memory
 //! ```
 //!
 //! `--redis-url` takes a comma-separated list of every node of a Redis Cluster too
@@ -76,6 +80,10 @@ enum Command {
         #[arg(long)]
         flush_all: bool,
     },
+    PrivateMemory {
+        #[arg(long, default_value_t = 10_000_000)]
+        clicks: u64,
+    },
 }
 
 #[tokio::main]
@@ -89,7 +97,40 @@ async fn main() -> anyhow::Result<()> {
             anyhow::ensure!(flush_all, "memory empties the Redis first: pass --flush-all for a Redis of its own");
             memory(redis_url, keys, layout).await
         }
+        Command::PrivateMemory { clicks } => private_memory(clicks),
     }
+}
+
+/// The resident memory of this process, in bytes (Linux).
+fn resident_bytes() -> anyhow::Result<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm")?;
+    let pages: u64 = statm.split_whitespace().nth(1).ok_or_else(|| anyhow::anyhow!("statm"))?.parse()?;
+    Ok(pages * 4096)
+}
+
+/// Sights `clicks` distinct fingerprints on one partition within one window and reports
+/// the resident memory it took per click held.
+fn private_memory(clicks: u64) -> anyhow::Result<()> {
+    let fingerprints = Fingerprinter::new("bench");
+    let before = resident_bytes()?;
+    let started = Instant::now();
+    let mut scope = clickagg::dedup::PrivateScope::new(86_400);
+    for i in 0..clicks {
+        let fp = fingerprints.of(&format!("click-{i}"));
+        // A day of record time: everything stays within the window.
+        scope.sight(0, fp.0, 1_700_000_000 + (i * 86_400 / clicks.max(1)) as u32, None);
+    }
+    let after = resident_bytes()?;
+    let held = scope.len() as f64;
+    println!(
+        "private dedup state: {} clicks held, {:.1} bytes per click ({:.0} MB), {:.2} s ({:.0} ns per sighting)",
+        scope.len(),
+        (after.saturating_sub(before)) as f64 / held,
+        (after.saturating_sub(before)) as f64 / 1e6,
+        started.elapsed().as_secs_f64(),
+        started.elapsed().as_nanos() as f64 / clicks.max(1) as f64
+    );
+    Ok(())
 }
 
 /// Reads `records` records from the start of every partition and only counts them.

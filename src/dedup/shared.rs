@@ -1080,12 +1080,18 @@ impl SharedCache {
     async fn forget_previous(&mut self) -> Result<(), DedupError> {
         let previous: Option<String> = self.query(redis::cmd("GET").arg(self.previous_ns_key()).clone(), 0).await?;
         let Some(prev) = previous else { return Ok(()) };
+        // The shard hashes went with the walk; what is left are the frontiers, the x sets
+        // of the partitions those name, and the holds. No key scan: a KEYS over a shared
+        // Redis would block it.
         let mut cmds = Vec::new();
         for g in 0..self.groups {
-            let pattern = format!("{}*", self.data_prefix(g, &prev));
-            let keys: Vec<String> = self.query(redis::cmd("KEYS").arg(&pattern).clone(), g).await.unwrap_or_default();
-            cmds.extend(keys.into_iter().map(|k| redis::cmd("UNLINK").arg(k).clone()));
+            let data = self.data_prefix(g, &prev);
+            let frontier = format!("{data}frontier");
+            let partitions: Vec<String> = self.query(redis::cmd("HKEYS").arg(&frontier).clone(), g).await?;
+            cmds.extend(partitions.iter().map(|p| redis::cmd("UNLINK").arg(format!("{data}x:{p}")).clone()));
+            cmds.push(redis::cmd("UNLINK").arg(frontier).clone());
         }
+        cmds.push(redis::cmd("UNLINK").arg(format!("{}holds", self.data_prefix(0, &prev))).clone());
         cmds.push(redis::cmd("DEL").arg(self.previous_ns_key()).clone());
         self.each(cmds).await.map(drop)
     }

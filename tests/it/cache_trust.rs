@@ -310,3 +310,58 @@ impl TestEnv {
         n
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topic_deleted_and_recreated_under_the_same_name_is_refused() {
+    let mut env = TestEnv::new("recreated").await;
+    env.batch_offsets = 10;
+    let t0 = chrono::Utc::now().timestamp_millis() - 30_000;
+    let first: Vec<Planned> = (0..50).map(|i| click(&format!("old-{i}"), 1, t0 + i, 0)).collect();
+    env.send(&first, 1, None).await;
+    let mut m = env.spawn_member("old");
+    env.assert_counts_converge(&BTreeMap::from([(bucket(1, t0), 50)]), CONVERGE).await;
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+
+    // The same name, a new topic: its offsets start over, past the old batches' starts
+    // once it holds more records than the old one did.
+    env.delete_topic().await;
+    let second: Vec<Planned> = (0..80).map(|i| click(&format!("new-{i}"), 2, t0 + 1_000 + i, 0)).collect();
+    wait_until("the topic is recreated", Duration::from_secs(60), || async {
+        env.create_topic_if_absent(1).await
+    })
+    .await;
+    env.send(&second, 1, None).await;
+    let mut refused = env.spawn_member("new");
+    let code = refused.wait(Duration::from_secs(120)).await;
+    assert_eq!(code, 1, "{}", refused.tail(20));
+    assert!(refused.output().contains("deleted and recreated"), "{}", refused.tail(20));
+    assert_eq!(env.billing().await, BTreeMap::from([(bucket(1, t0), 50)]), "nothing of the new topic was written");
+}
+
+impl TestEnv {
+    /// Deletes the test's topic.
+    pub async fn delete_topic(&self) {
+        use rdkafka::admin::{AdminClient, AdminOptions};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().expect("admin client");
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        for r in admin.delete_topics(&[&self.topic], &opts).await.expect("delete topic") {
+            r.expect("topic deleted");
+        }
+    }
+
+    /// Creates the test's topic unless the broker still knows it (a deletion completes
+    /// asynchronously).
+    pub async fn create_topic_if_absent(&self, partitions: i32) -> Result<(), String> {
+        use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().expect("admin client");
+        let topic = NewTopic::new(&self.topic, partitions, TopicReplication::Fixed(1));
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        match admin.create_topics([&topic], &opts).await.map_err(|e| e.to_string())?.pop() {
+            Some(Ok(_)) => Ok(()),
+            Some(Err((_, e))) => Err(e.to_string()),
+            None => Err("no answer".into()),
+        }
+    }
+}

@@ -205,11 +205,26 @@ async fn a_replay_of_old_history_leaves_no_more_dedup_keys_than_it_found() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_partition_lagging_beyond_max_record_lag_stays_on_the_cache_which_keeps_what_it_needs() {
     let mut env = TestEnv::new("laggard").await;
-    // Record times 30 minutes old, 2 minutes of lag allowed by the wall-clock sweep: the
-    // sweeper must keep what the lagging member still needs, and the member must decide
-    // through the cache (copies on other partitions included), not fall back.
-    env.extra_env.push(("CLICKAGG__DEDUP__MAX_RECORD_LAG".to_string(), "2m".to_string()));
-    let spec = Spec { count: 20_000, seed: 76, start_ms: ago_ms(40 * 60), cross_partition_ratio: 0.3, ..Spec::default() };
+    // Record times 10 to 40 minutes old, a window of 5 minutes and 1 minute of lag
+    // allowed by the wall-clock sweep: left alone, the sweeper would delete every sighting
+    // the member writes as soon as it wrote it. It must keep what the lagging member still
+    // needs, and the member must decide through the cache (copies on other partitions
+    // included), not fall back.
+    env.extra_env.extend([
+        ("CLICKAGG__DEDUP__WINDOW".to_string(), "5m".to_string()),
+        ("CLICKAGG__VALIDATION__MAX_LATENESS".to_string(), "4m".to_string()),
+        ("CLICKAGG__DEDUP__MAX_RECORD_LAG".to_string(), "1m".to_string()),
+    ]);
+    let spec = Spec {
+        count: 60_000,
+        seed: 76,
+        start_ms: ago_ms(40 * 60),
+        span: Duration::from_secs(30 * 60),
+        late_ratio: 0.0,
+        duplicate_ratio: 0.2,
+        cross_partition_ratio: 0.3,
+        ..Spec::default()
+    };
     let (records, truth) = clickagg::produce::plan(&spec);
     env.send(&records, 4, None).await;
     let mut m = env.spawn_member("m");
