@@ -257,7 +257,8 @@ fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, 
 /// default limits still accept in a record stamped `send_ms`; `None` if neither is.
 fn drifted(ts: i64, send_ms: i64, rng: &mut StdRng) -> Option<i64> {
     let limits = Limits::default();
-    let accepted = send_ms - limits.max_lateness.as_millis() as i64..=send_ms + limits.max_future_skew.as_millis() as i64;
+    let accepted =
+        send_ms - limits.max_lateness.as_millis() as i64..=send_ms + limits.max_future_skew.as_millis() as i64;
     let by = rng.random_range(1..=30i64) * 60_000;
     [ts - by, ts + by, ts - 60_000, ts + 60_000]
         .into_iter()

@@ -9,7 +9,6 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::produce::Spec;
 use clickagg::sink::Writer;
 
-
 use crate::helpers::{positions_of_keys, read_dead_letters, redis_url, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
