@@ -155,6 +155,11 @@ pub struct ProduceArgs {
     /// partition (producers that do not key by click ID).
     #[arg(long, default_value_t = 0.0)]
     pub cross_partition_ratio: f64,
+    /// Fraction of the other duplicates (same key and partition) whose event time is
+    /// in another minute than their original's: a retry re-stamped by its sender. The
+    /// ground truth counts the original's minute.
+    #[arg(long, alias = "retry-drift", default_value_t = 0.0)]
+    pub retry_drift_ratio: f64,
     /// Partitions to create the topic with, if it does not exist.
     #[arg(long, default_value_t = 4)]
     pub partitions: i32,

@@ -228,6 +228,21 @@ fn event_time_ms<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
 /// Decides what one Kafka record is. `record_ts_ms` is the Kafka record timestamp
 /// (create or log-append time); when a record has none, the time checks are skipped
 /// rather than judged against the wall clock.
+///
+/// ```
+/// use clickagg::click::{decode, Limits, RejectReason};
+///
+/// let record_ts = 1_764_489_600_000; // 2025-11-30T08:00:00Z
+/// let payload = br#"{"click_id":"0f5c","ad_id":1234,"ts":"2025-11-30T07:59:05.123Z","ua":"x"}"#;
+/// let click = decode(Some(payload), Some(record_ts), &Limits::default()).unwrap();
+/// assert_eq!((click.click_id.as_str(), click.ad_id, click.ts_ms), ("0f5c", 1234, 1_764_489_545_123));
+/// assert_eq!(click.minute.to_rfc3339(), "2025-11-30T07:59:00Z");
+///
+/// // Seven hours behind its record: past the default lateness of six.
+/// let late = br#"{"click_id":"0f5c","ad_id":1234,"ts":1764464400000}"#;
+/// let rejected = decode(Some(late), Some(record_ts), &Limits::default()).unwrap_err();
+/// assert_eq!(rejected.reason, RejectReason::TimestampBehind);
+/// ```
 pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits) -> Result<Click, Rejection> {
     decode_with(payload, record_ts_ms, limits, |id| ClickId(id.to_owned()))
 }

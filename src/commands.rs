@@ -113,6 +113,7 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         ("late", a.late_ratio),
         ("malformed", a.malformed_ratio),
         ("cross-partition", a.cross_partition_ratio),
+        ("retry-drift", a.retry_drift_ratio),
     ] {
         if !(0.0..=1.0).contains(&v) {
             bail!("--{name}-ratio must be between 0 and 1");
@@ -127,6 +128,7 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         late_ratio: a.late_ratio,
         malformed_ratio: a.malformed_ratio,
         cross_partition_ratio: a.cross_partition_ratio,
+        retry_drift_ratio: a.retry_drift_ratio,
         start_ms,
         span: a.span.into(),
     };

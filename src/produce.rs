@@ -8,7 +8,10 @@
 //!   tail), event time a little before its send time — or, for *late* clicks, minutes
 //!   before, so it lands in a minute whose other clicks went by long ago;
 //! - a **duplicate**: the same click sent again, usually right after (a producer retry),
-//!   sometimes much later (a redelivery from the ad server's outbox);
+//!   sometimes much later (a redelivery from the ad server's outbox); with
+//!   `retry_drift_ratio`, some of them carry another event time than their original
+//!   (an ad server that re-stamps a retry), so that counting a retry instead of its
+//!   original shows as a count in the wrong minute;
 //! - a **malformed** record of one of the classes the pipeline dead-letters.
 //!
 //! Records are keyed by `click_id`, so a click and its duplicates share a partition, as
@@ -53,6 +56,14 @@ pub struct Spec {
     /// Fraction of duplicates sent under another key than the click ID, so that they
     /// may land on another partition (a producer that does not key by click ID).
     pub cross_partition_ratio: f64,
+    /// Fraction of the other duplicates (same key, so same partition) whose event time
+    /// lies in another minute than their original's, still within the default
+    /// validation limits of their record. The truth counts the original's minute, so a
+    /// pipeline that skipped an original and counted its retry is off by one in two
+    /// buckets instead of looking exact. Copies on other partitions never drift: which
+    /// copy counts there depends on the order the partitions are read in. 0 keeps the
+    /// records of every seed as they were before the option existed.
+    pub retry_drift_ratio: f64,
     /// Event time of the first record (ms); send times spread over `span` from there.
     pub start_ms: i64,
     pub span: Duration,
@@ -69,6 +80,7 @@ impl Default for Spec {
             late_ratio: 0.02,
             malformed_ratio: 0.01,
             cross_partition_ratio: 0.0,
+            retry_drift_ratio: 0.0,
             start_ms: 0,
             span: Duration::from_secs(600),
         }
@@ -102,6 +114,9 @@ pub struct Truth {
     pub clicks: u64,
     pub late: u64,
     pub duplicates: u64,
+    /// Of the duplicates, those whose event time is in another minute than their
+    /// original's (`Spec::retry_drift_ratio`).
+    pub drifted: u64,
     pub malformed: BTreeMap<RejectReason, u64>,
 }
 
@@ -143,8 +158,9 @@ impl Truth {
 
     pub fn summary(&self) -> String {
         let malformed: Vec<String> = self.malformed.iter().map(|(r, n)| format!("{r}={n}")).collect();
+        let drifted = if self.drifted > 0 { format!(" ({} in another minute)", self.drifted) } else { String::new() };
         format!(
-            "{} distinct clicks ({} late) in {} ad-minutes, {} duplicates, {} malformed [{}]",
+            "{} distinct clicks ({} late) in {} ad-minutes, {} duplicates{drifted}, {} malformed [{}]",
             self.clicks,
             self.late,
             self.counts.len(),
@@ -237,6 +253,18 @@ fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, 
     (payload, send_ms)
 }
 
+/// An event time 1 to 30 minutes before or after `ts` (so in another minute) that the
+/// default limits still accept in a record stamped `send_ms`; `None` if neither is.
+fn drifted(ts: i64, send_ms: i64, rng: &mut StdRng) -> Option<i64> {
+    let limits = Limits::default();
+    let accepted =
+        send_ms - limits.max_lateness.as_millis() as i64..=send_ms + limits.max_future_skew.as_millis() as i64;
+    let by = rng.random_range(1..=30i64) * 60_000;
+    [ts - by, ts + by, ts - 60_000, ts + 60_000]
+        .into_iter()
+        .find(|t| accepted.contains(t) && Minute::from_millis(*t).is_some())
+}
+
 /// The records to send, in order, and the ground truth they imply.
 pub fn plan(spec: &Spec) -> (Vec<Planned>, Truth) {
     let mut generator = Generator::new(spec.clone());
@@ -319,8 +347,24 @@ impl Iterator for Generator {
             let (bits, ad_id, ts) = sent[idx];
             let id = format_click_id(bits);
             truth.duplicates += 1;
-            let payload = click_json(&id, ad_id, ts, rng);
-            let key = if rng.random_bool(spec.cross_partition_ratio) { format!("{id}#copy-{i}") } else { id };
+            let (payload, copy) = if spec.retry_drift_ratio > 0.0 {
+                // Whether it is a copy first: a copy keeps its original's fields. (This
+                // order of draws only with drift asked for: without, every seed gives
+                // the records it always gave.)
+                let copy = rng.random_bool(spec.cross_partition_ratio);
+                let mut event_ts = ts;
+                if !copy && rng.random_bool(spec.retry_drift_ratio) {
+                    if let Some(other) = drifted(ts, send_ms, rng) {
+                        event_ts = other;
+                        truth.drifted += 1;
+                    }
+                }
+                (click_json(&id, ad_id, event_ts, rng), copy)
+            } else {
+                let payload = click_json(&id, ad_id, ts, rng);
+                (payload, rng.random_bool(spec.cross_partition_ratio))
+            };
+            let key = if copy { format!("{id}#copy-{i}") } else { id };
             Some(Planned { key, payload, timestamp_ms: send_ms, kind: Kind::Duplicate, partition: None })
         } else {
             let bits = click_id_bits(rng);
@@ -483,7 +527,7 @@ async fn enqueue(producer: &ThreadedProducer<Deliveries>, topic: &str, r: &Plann
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::click::decode;
+    use crate::click::{decode, Click};
     use std::collections::HashSet;
 
     fn spec() -> Spec {
@@ -531,6 +575,66 @@ mod tests {
         let (_, truth) = plan(&Spec { malformed_ratio: 0.05, ..spec() });
         for reason in RejectReason::ALL {
             assert!(truth.malformed.get(&reason).copied().unwrap_or(0) > 0, "no {reason} record: {}", truth.summary());
+        }
+    }
+
+    /// The first sighting of each click ID, and every later one, decoded.
+    fn sightings(records: &[Planned]) -> (BTreeMap<String, Click>, Vec<(Planned, Click)>) {
+        let mut first = BTreeMap::new();
+        let mut later = Vec::new();
+        for r in records {
+            let payload = (!r.payload.is_empty()).then_some(r.payload.as_slice());
+            let Ok(c) = decode(payload, Some(r.timestamp_ms), &Limits::default()) else { continue };
+            if first.contains_key(c.click_id.as_str()) {
+                later.push((r.clone(), c));
+            } else {
+                first.insert(c.click_id.as_str().to_string(), c);
+            }
+        }
+        (first, later)
+    }
+
+    #[test]
+    fn drifted_retries_are_valid_clicks_in_another_minute_and_the_truth_counts_their_originals() {
+        let spec = Spec { retry_drift_ratio: 0.5, cross_partition_ratio: 0.3, duplicate_ratio: 0.2, ..spec() };
+        let (records, truth) = plan(&spec);
+        let (first, later) = sightings(&records);
+        let moved: Vec<&(Planned, Click)> =
+            later.iter().filter(|(_, c)| c.minute != first[c.click_id.as_str()].minute).collect();
+        assert!(truth.drifted > 500, "{}", truth.summary());
+        assert_eq!(moved.len() as u64, truth.drifted, "every drifted retry decodes, in another minute");
+        for (r, c) in &moved {
+            let original = &first[c.click_id.as_str()];
+            assert_eq!(c.ad_id, original.ad_id);
+            assert_eq!(r.key, c.click_id.as_str(), "a drifted retry keeps its key, so its partition");
+        }
+        // Counting the first sighting of each ID gives the truth; counting the last one
+        // (an original skipped, its retry counted) does not.
+        let count = |clicks: &mut dyn Iterator<Item = &Click>| {
+            let mut counts: BTreeMap<BucketKey, u64> = BTreeMap::new();
+            for c in clicks {
+                *counts.entry(BucketKey { ad_id: c.ad_id, minute: c.minute }).or_default() += 1;
+            }
+            counts
+        };
+        assert_eq!(count(&mut first.values()), truth.counts);
+        let mut last: BTreeMap<&str, &Click> = first.iter().map(|(k, c)| (k.as_str(), c)).collect();
+        for (_, c) in &later {
+            last.insert(c.click_id.as_str(), c);
+        }
+        assert_ne!(count(&mut last.values().copied()), truth.counts, "a retry counted instead shows");
+    }
+
+    #[test]
+    fn copies_on_other_partitions_keep_their_originals_fields() {
+        let spec = Spec { retry_drift_ratio: 1.0, cross_partition_ratio: 0.5, duplicate_ratio: 0.2, ..spec() };
+        let (records, truth) = plan(&spec);
+        let (first, later) = sightings(&records);
+        let copies: Vec<&(Planned, Click)> = later.iter().filter(|(r, _)| r.key.contains("#copy")).collect();
+        assert!(copies.len() > 1_000 && truth.drifted > 1_000, "{} copies; {}", copies.len(), truth.summary());
+        for (_, c) in copies {
+            let original = &first[c.click_id.as_str()];
+            assert_eq!((c.ad_id, c.ts_ms), (original.ad_id, original.ts_ms), "copy of {}", c.click_id);
         }
     }
 

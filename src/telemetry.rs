@@ -133,6 +133,11 @@ pub fn register_zeroes() {
     for reason in ["undecidable", "lost"] {
         metrics::counter!(DEDUP_REBUILDS, "reason" => reason).absolute(0);
     }
+    // The `kind` values `member` counts; a series that appeared only at the first
+    // rebalance would read as "no data" to an alert on revokes.
+    for kind in ["assign", "revoke"] {
+        metrics::counter!(REBALANCES, "kind" => kind).absolute(0);
+    }
     for trouble in crate::health::RedisTrouble::ALL {
         metrics::counter!(REDIS_ERRORS, "kind" => trouble.label()).absolute(0);
     }

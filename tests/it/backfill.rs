@@ -1,4 +1,7 @@
-//! Replay for backfill and reconciliation against the topic.
+//! Replay for backfill and reconciliation against the topic. Every topic here has
+//! copies of clicks on other partitions, and every replay also runs into emptied count
+//! tables: over the rows a live member wrote, a replay's own rows lose (a member's row
+//! outranks a replay's at the same offset), so only there can its mistakes show.
 
 use std::time::Duration;
 
@@ -6,9 +9,7 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::produce::Spec;
 use clickagg::sink::Writer;
 
-use std::collections::HashSet;
-
-use crate::helpers::{read_dead_letters, redis_url, TestEnv};
+use crate::helpers::{positions_of_keys, read_dead_letters, redis_url, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 const EXIT: Duration = Duration::from_secs(300);
@@ -24,11 +25,12 @@ async fn run_to_end(env: &TestEnv, label: &str, args: &[&str], extra: &[(&str, &
 /// A topic with clicks, fully counted by a live member that then stopped.
 async fn counted_topic(name: &str, count: u64, seed: u64) -> (TestEnv, clickagg::produce::Truth) {
     let env = TestEnv::new(name).await;
-    let (records, truth) = env.plan(Spec { count, seed, ..Spec::default() });
+    let (records, truth) = env.plan(Spec { count, seed, cross_partition_ratio: 0.3, ..Spec::default() });
     env.send(&records, 4, None).await;
     let mut m = env.spawn_member("live");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+    assert!(env.pin_count().await > 0, "the live run recorded no cross-partition decision");
     (env, truth)
 }
 
@@ -37,27 +39,35 @@ async fn replaying_the_whole_topic_three_times_changes_no_count() {
     let (env, truth) = counted_topic("replay3x", 60_000, 11).await;
     let before = env.billing().await;
     for i in 0..3 {
+        // The last replay alone writes every row: nothing of the live run's hides it.
+        let emptied = i == 2;
+        if emptied {
+            env.empty_count_tables().await;
+            assert!(env.billing().await.is_empty());
+        }
         let out =
             run_to_end(&env, &format!("replay{i}"), &["replay", "--from", "earliest", "--to", "latest"], &[], 0).await;
         assert!(out.contains("replayed 60000 records"), "{out}");
         // The replay decides every click as the live run did: identical rows.
         assert!(out.contains(&format!("{} counted, {} duplicates", truth.clicks, truth.duplicates)), "{out}");
-        assert_eq!(env.billing().await, before, "replay {i} changed a count");
+        assert_eq!(env.billing().await, before, "replay {i} (into emptied tables: {emptied}) changed a count");
     }
+    env.assert_counts_exact(&truth.counts, "after the replays").await;
     // The replays re-rejected the bad records; their dead letters say so, and name the
     // same source positions as the live run's, so a consumer can tell copies apart.
-    let bad = truth.malformed_total() as usize;
-    let letters = read_dead_letters(&env, 4 * bad).await;
-    assert_eq!(letters.len(), 4 * bad);
-    let position = |h: &std::collections::BTreeMap<String, String>| {
-        (h["clickagg-source-partition"].clone(), h["clickagg-source-offset"].clone())
+    let bad = positions_of_keys(&env, |k| k.starts_with(b"bad-")).await;
+    assert_eq!(bad.len() as u64, truth.malformed_total());
+    let letters = read_dead_letters(&env, 4 * bad.len()).await;
+    let from = |origin: &str| {
+        let mut positions: Vec<(i32, i64)> =
+            letters.iter().filter(|d| d.origin() == origin).map(|d| d.source()).collect();
+        positions.sort();
+        positions
     };
-    let live: HashSet<_> =
-        letters.iter().filter(|d| d.headers["clickagg-origin"] == "run").map(|d| position(&d.headers)).collect();
-    assert_eq!(live.len(), bad);
-    for d in letters.iter().filter(|d| d.headers["clickagg-origin"] == "replay") {
-        assert!(live.contains(&position(&d.headers)), "a replayed dead letter names a position the live run did");
-    }
+    assert_eq!(from("run"), bad.iter().copied().collect::<Vec<_>>(), "one letter per bad record from the live run");
+    let thrice: Vec<(i32, i64)> = bad.iter().flat_map(|&p| [p; 3]).collect();
+    assert_eq!(from("replay"), thrice, "one letter per bad record from each replay");
+    assert_eq!(letters.len(), 4 * bad.len(), "no letter of another origin");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,29 +81,32 @@ async fn a_dropped_table_is_rebuilt_by_a_replay_with_and_without_the_dedup_keys(
     let mut client = redis::Client::open(redis.as_str()).unwrap().get_multiplexed_async_connection().await.unwrap();
     let _: () = redis::cmd("FLUSHDB").query_async(&mut client).await.unwrap();
 
-    let (records, truth) = env.plan(Spec { count: 60_000, seed: 12, ..Spec::default() });
+    let (records, truth) = env.plan(Spec { count: 60_000, seed: 12, cross_partition_ratio: 0.3, ..Spec::default() });
     env.send(&records, 4, None).await;
     let mut m = env.spawn_member("live");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+    assert!(env.pin_count().await > 0, "the live run recorded no cross-partition decision");
 
     for flush_redis in [false, true] {
-        env.sink().execute("DROP TABLE ad_clicks_minute").await.unwrap();
+        // Every count table, the roll-ups too (the pins and the batch size stay).
+        for table in ["ad_clicks_minute", "ad_clicks_hour", "ad_clicks_day"] {
+            env.sink().execute(&format!("DROP TABLE {table}")).await.unwrap();
+        }
         env.sink().migrate().await.unwrap();
         assert!(env.billing().await.is_empty());
         if flush_redis {
             let _: () = redis::cmd("FLUSHDB").query_async(&mut client).await.unwrap();
         }
         run_to_end(&env, &format!("replay-flushdb-{flush_redis}"), &["replay", "--from", "earliest"], &[], 0).await;
-        let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-        assert!(d.is_exact(), "after replay (FLUSHDB: {flush_redis}):\n{}", d.report(20));
+        env.assert_counts_exact(&truth.counts, &format!("after replay (FLUSHDB: {flush_redis})")).await;
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
     let env = TestEnv::new("replaylive").await;
-    let (records, truth) = env.plan(Spec { count: 120_000, seed: 13, ..Spec::default() });
+    let (records, truth) = env.plan(Spec { count: 120_000, seed: 13, cross_partition_ratio: 0.3, ..Spec::default() });
     // The first half is in the topic before anything runs; the rest arrives meanwhile.
     let (first, rest) = records.split_at(60_000);
     env.send(first, 4, None).await;
@@ -105,33 +118,36 @@ async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(live.terminate(Duration::from_secs(30)).await, 0);
+    // What the replays beside the member decided is what a replay alone writes.
+    assert!(env.pin_count().await > 0, "the live run recorded no cross-partition decision");
+    env.empty_count_tables().await;
+    run_to_end(&env, "replay-alone", &["replay"], &[], 0).await;
+    env.assert_counts_exact(&truth.counts, "a replay into emptied tables").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
     let (env, truth) = counted_topic("midbatch", 40_000, 14).await;
-    let before = env.billing().await;
     // Offsets in the middle of batches (batch_offsets = 1000), and a time in the middle.
-    let out = run_to_end(&env, "replay-offsets", &["replay", "--from", "0:1500,1:2999,2:10,3:7777"], &[], 0).await;
-    assert!(out.contains("replayed"), "{out}");
-    assert_eq!(env.billing().await, before);
+    env.replay_checked("replay-offsets", "0:1500,1:2999,2:10,3:7777", &truth.counts).await;
     let mid = chrono::DateTime::from_timestamp_millis(
         clickagg::replay::parse_time_ms(&chrono::Utc::now().to_rfc3339()).unwrap() - 5 * 60_000,
     )
     .unwrap()
     .to_rfc3339();
-    run_to_end(&env, "replay-time", &["replay", "--from", &mid], &[], 0).await;
-    assert_eq!(env.billing().await, before);
-    let d = clickagg::verify::diff(&truth.counts, &before);
-    assert!(d.is_exact(), "{}", d.report(10));
+    env.replay_checked("replay-time", &mid, &truth.counts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
     let (env, truth) = counted_topic("reconcile", 40_000, 15).await;
+    // "exact match" says the recount equals the rows; the rows must equal the
+    // generator's truth for that to say the recount is right.
+    env.assert_counts_exact(&truth.counts, "before reconciling").await;
     let (from, to) = window(&truth.counts);
     let out = run_to_end(&env, "reconcile-ok", &["reconcile", "--from", &from, "--to", &to], &[], 0).await;
     assert!(out.contains("exact match"), "{out}");
+    assert!(out.contains(&format!("expected {} clicks", truth.clicks)), "the recount is the truth's: {out}");
     // A range in the middle: the recount first reads the window before it (without
     // counting) to know which clicks in it are repeats.
     // Records span the last ten minutes (late clicks reach back further): start three
@@ -139,11 +155,13 @@ async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
     // in the middle of the topic.
     let mid = clickagg::click::Minute::from_epoch_seconds(
         truth.counts.keys().map(|k| k.minute.epoch_seconds()).max().unwrap() - 3 * 60,
-    )
-    .to_rfc3339();
+    );
+    let in_range: u64 = truth.counts.iter().filter(|(k, _)| k.minute >= mid).map(|(_, c)| c).sum();
+    let mid = mid.to_rfc3339();
     let args = ["reconcile", "--from", &mid, "--to", &to, "--scan-margin", "0s"];
     let out = run_to_end(&env, "reconcile-mid", &args, &[], 0).await;
     assert!(out.contains("exact match") && !out.contains(" 0 read before them"), "{out}");
+    assert!(out.contains(&format!("expected {in_range} clicks")), "the recount is the truth's: {out}");
 
     // Corrupt one bucket: a row for a batch that never existed, with a huge version.
     let (key, clicks) = truth.counts.iter().next().map(|(k, c)| (*k, *c)).unwrap();

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clickagg::click::RejectReason;
 use clickagg::produce::{Planned, Spec};
 
-use crate::helpers::{read_dead_letters, source_payload, wait_until, TestEnv};
+use crate::helpers::{positions_of_keys, read_dead_letters, source_payload, wait_until, TestEnv};
 
 /// Sends valid clicks with three bad records of one class among them, runs a member,
 /// and checks the dead letters, the counts and the committed offsets.
@@ -33,8 +33,14 @@ async fn rejects(name: &str, reason: RejectReason, bad: impl Fn(i64) -> Vec<u8>)
     let mut member = env.spawn_member("m");
     env.assert_counts_converge(&truth.counts, Duration::from_secs(120)).await;
 
+    // One letter for each bad record, naming it: read to the end of the topic, so that
+    // a letter too many, or one for the wrong record, fails as well as one missing.
+    let bad = positions_of_keys(&env, |k| k.starts_with(b"bad-")).await;
+    assert_eq!(bad.len(), 3, "the bad records in the topic");
     let letters = read_dead_letters(&env, 3).await;
-    assert_eq!(letters.len(), 3, "dead letters of {reason}");
+    let mut named: Vec<(i32, i64)> = letters.iter().map(|d| d.source()).collect();
+    named.sort();
+    assert_eq!(named, bad.into_iter().collect::<Vec<_>>(), "dead letters of {reason}");
     for dl in &letters {
         assert_eq!(dl.headers["clickagg-reason"], reason.as_str(), "{:?}", dl.headers);
         assert_eq!(dl.headers["clickagg-source-topic"], env.topic);

@@ -1,7 +1,11 @@
 //! Dedup decisions are a function of the log (README, "What counts"): every re-read —
 //! a backfill after the dedup keys are gone, a replay of the middle of the topic, a
 //! group reset to any offset — writes the rows the first read wrote. Each test starts
-//! from an exact live run and checks the ground truth afterwards.
+//! from an exact live run with copies of clicks on other partitions (whose recorded
+//! decisions, `clickagg_pins`, a re-read must honour) and checks the ground truth
+//! after every re-read, also with the rows the re-read rewrites deleted first: over the
+//! live rows alone a re-read proves nothing, since a member's row outranks a replay's
+//! at the same offset, and an under-count or an ignored decision would stay hidden.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -13,15 +17,6 @@ use clickagg::produce::{Kind, Planned, Spec};
 use crate::helpers::{equals, wait_until, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
-const EXIT: Duration = Duration::from_secs(300);
-
-/// Runs `clickagg <args>` to completion, asserts its exit code, returns its output.
-async fn run_to_end(env: &TestEnv, label: &str, args: &[&str], expect: i32) -> String {
-    let mut p = env.spawn(label, args, &[]);
-    let code = p.wait(EXIT).await;
-    assert_eq!(code, expect, "{label} exited {code}:\n{}", p.output());
-    p.output()
-}
 
 /// Counts `expected` with one live member until exact, then stops it.
 async fn count_live(env: &TestEnv, expected: &BTreeMap<BucketKey, u64>) {
@@ -30,13 +25,46 @@ async fn count_live(env: &TestEnv, expected: &BTreeMap<BucketKey, u64>) {
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
 }
 
-/// A generated topic, counted exactly by a live member that then stopped.
+/// A generated topic, counted exactly by a live member that then stopped; its copies
+/// on other partitions left recorded decisions.
 async fn counted_topic(name: &str, spec: Spec) -> (TestEnv, clickagg::produce::Truth) {
+    assert!(spec.cross_partition_ratio > 0.0, "a re-read must meet recorded cross-partition decisions");
     let env = TestEnv::new(name).await;
     let (records, truth) = env.plan(spec);
     env.send(&records, 4, None).await;
     count_live(&env, &truth.counts).await;
+    assert!(env.pin_count().await > 0, "the live run recorded no cross-partition decision");
     (env, truth)
+}
+
+/// Counts `copies` with a live member first, then `records`, then stops it. The copies
+/// are counted before anything else, so the live run records the sightings of the same
+/// clicks in `records` as duplicates of copies on another partition (pins), which every
+/// re-read of those partitions must honour.
+async fn count_live_copies_first(
+    env: &TestEnv,
+    partitions: i32,
+    copies: &[Planned],
+    records: &[Planned],
+    expected: &BTreeMap<BucketKey, u64>,
+) {
+    env.send(copies, partitions, None).await;
+    let mut m = env.spawn_member("live");
+    env.assert_counts_converge(&recount(copies), CONVERGE).await;
+    env.send(records, partitions, None).await;
+    env.assert_counts_converge(expected, CONVERGE).await;
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+    assert!(env.pin_count().await > 0, "the live run recorded no cross-partition decision");
+}
+
+/// The counts of hand-built records whose click IDs are all distinct.
+fn recount(records: &[Planned]) -> BTreeMap<BucketKey, u64> {
+    let mut counts = BTreeMap::new();
+    for r in records {
+        let c = clickagg::click::decode(Some(&r.payload), Some(r.timestamp_ms), &Default::default()).unwrap();
+        *counts.entry(BucketKey { ad_id: c.ad_id, minute: c.minute }).or_default() += 1;
+    }
+    counts
 }
 
 /// A valid click record, placed on `partition`, stamped `ts_ms` (event and record time).
@@ -61,22 +89,20 @@ fn ago(secs: i64) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_after_the_dedup_keys_expired_counts_exactly() {
-    let (env, truth) = counted_topic("expiredkeys", Spec { count: 40_000, seed: 71, ..Spec::default() }).await;
+    let spec = Spec { count: 40_000, seed: 71, cross_partition_ratio: 0.3, ..Spec::default() };
+    let (env, truth) = counted_topic("expiredkeys", spec).await;
     // What the dedup window does to the keys, without waiting a day.
     assert!(env.delete_dedup_keys().await > 0, "the live run kept dedup state in Redis");
-    run_to_end(&env, "replay", &["replay", "--from", "earliest"], 0).await;
-    let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-    assert!(d.is_exact(), "a backfill without dedup keys changed the counts:\n{}", d.report(20));
+    env.replay_checked("backfill-without-keys", "earliest", &truth.counts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_of_the_middle_of_the_topic_without_dedup_keys_counts_exactly() {
-    let (env, truth) = counted_topic("expiredmid", Spec { count: 40_000, seed: 72, ..Spec::default() }).await;
+    let spec = Spec { count: 40_000, seed: 72, cross_partition_ratio: 0.3, ..Spec::default() };
+    let (env, truth) = counted_topic("expiredmid", spec).await;
     env.delete_dedup_keys().await;
     // The generated event times span the last ten minutes: start in the middle.
-    run_to_end(&env, "replay-mid", &["replay", "--from", &ago(5 * 60)], 0).await;
-    let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-    assert!(d.is_exact(), "a replay from the middle changed the counts:\n{}", d.report(20));
+    env.replay_checked("replay-mid", &ago(5 * 60), &truth.counts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -90,19 +116,20 @@ async fn a_duplicate_whose_original_lies_before_the_replayed_range_is_not_counte
     let mut records = vec![click("original", 7, t0, 0)];
     records.extend((0..250).map(|i| click(&format!("filler-{i}"), 8, t0 + 1_000 + i, 0)));
     records.push(click("original", 7, t0 + 60_000, 0));
-    env.send(&records, 1, None).await;
+    // Copies on partition 1 of the fillers in the replayed batch (offsets 200–250),
+    // counted first: their sightings on partition 0 are recorded duplicates.
+    let copies: Vec<Planned> = (199..250).map(|i| click(&format!("filler-{i}"), 8, t0 + 1_000 + i, 1)).collect();
     let expected = BTreeMap::from([(bucket(7, t0), 1), (bucket(8, t0 + 1_000), 250)]);
-    count_live(&env, &expected).await;
+    count_live_copies_first(&env, 2, &copies, &records, &expected).await;
 
     // Without and with the dedup keys, a replay starting after the original (its batch
-    // begins at 200) must recognise the duplicate at 251.
+    // begins at 200) must recognise the duplicate at 251, and the copies counted on
+    // partition 1.
     for delete_keys in [false, true] {
         if delete_keys {
             env.delete_dedup_keys().await;
         }
-        run_to_end(&env, &format!("replay-deleted-{delete_keys}"), &["replay", "--from", "0:230"], 0).await;
-        let d = clickagg::verify::diff(&expected, &env.billing().await);
-        assert!(d.is_exact(), "replay after the original (keys deleted: {delete_keys}):\n{}", d.report(20));
+        env.replay_checked(&format!("replay-deleted-{delete_keys}"), "0:230", &expected).await;
     }
 }
 
@@ -121,11 +148,13 @@ async fn a_repeat_after_the_window_counts_identically_live_and_on_replay() {
     // (60 s) before it: t0 counts, +50 s and +100 s do not (each is 50 s after the last
     // sighting), +200 s counts again (100 s after the last sighting).
     let mut records = Vec::new();
+    let mut copies = Vec::new();
     for (i, dt) in [0, 50_000, 100_000, 200_000].into_iter().enumerate() {
         records.push(click("repeated", 5, t0 + dt, 0));
         records.extend((0..15).map(|j| click(&format!("other-{i}-{j}"), 6, t0 + dt + 100 + j, 0)));
+        // Copies of a few of the others on partition 1, counted first.
+        copies.extend((0..5).map(|j| click(&format!("other-{i}-{j}"), 6, t0 + dt + 100 + j, 1)));
     }
-    env.send(&records, 1, None).await;
     // Buckets built from several timestamps may be the same minute: add them up.
     let mut merged: BTreeMap<BucketKey, u64> = BTreeMap::new();
     for dt in [0, 50_000, 100_000, 200_000] {
@@ -134,14 +163,12 @@ async fn a_repeat_after_the_window_counts_identically_live_and_on_replay() {
     for dt in [0, 200_000] {
         *merged.entry(bucket(5, t0 + dt)).or_default() += 1;
     }
-    count_live(&env, &merged).await;
+    count_live_copies_first(&env, 2, &copies, &records, &merged).await;
     for delete_keys in [false, true] {
         if delete_keys {
             env.delete_dedup_keys().await;
         }
-        run_to_end(&env, &format!("replay-deleted-{delete_keys}"), &["replay", "--from", "earliest"], 0).await;
-        let d = clickagg::verify::diff(&merged, &env.billing().await);
-        assert!(d.is_exact(), "replay (keys deleted: {delete_keys}):\n{}", d.report(20));
+        env.replay_checked(&format!("replay-deleted-{delete_keys}"), "earliest", &merged).await;
     }
 }
 
@@ -157,49 +184,48 @@ async fn copies_on_other_partitions_are_deduplicated_live_and_on_a_replay_withou
     assert!(m.metric("clickagg_cross_partition_duplicates_total", &[]).await > 1_000.0);
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
 
+    // A replay without keys must honour the recorded cross-partition decisions.
     env.delete_dedup_keys().await;
-    run_to_end(&env, "replay", &["replay", "--from", "earliest"], 0).await;
-    let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-    assert!(
-        d.is_exact(),
-        "a replay without keys must honour the recorded cross-partition decisions:\n{}",
-        d.report(20)
-    );
+    env.replay_checked("replay-without-keys", "earliest", &truth.counts).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_group_reset_by_the_standard_tool_to_a_time_or_a_shift_mid_batch_then_run_counts_exactly() {
-    let (env, truth) = counted_topic("toolreset", Spec { count: 60_000, seed: 74, ..Spec::default() }).await;
+    let spec = Spec { count: 60_000, seed: 74, cross_partition_ratio: 0.3, ..Spec::default() };
+    let (env, truth) = counted_topic("toolreset", spec).await;
     let n = env.batch_offsets as i64;
     let done = env.committed_offsets().await;
+    let high = env.high_watermarks().await;
     let datetime = format!("{}Z", &ago(6 * 60)[..23]);
     let resets: [&[&str]; 2] = [&["--to-datetime", &datetime], &["--shift-by", "-1234"]];
     for (i, target) in resets.into_iter().enumerate() {
         env.consumer_groups(&[&["--reset-offsets"], target, &["--execute"]].concat()).await;
         let reset = env.committed_offsets().await;
         assert!(reset.values().any(|o| o % n != 0), "the reset lands mid-batch: {reset:?}");
+        // The member re-reads from the boundary at or below each reset offset: the rows
+        // of those batches are then its alone.
+        let rewritten = reset.iter().map(|(&p, &o)| (p, (o - o % n, high[&p]))).collect();
+        env.empty_count_batches(&rewritten).await;
         let mut m = env.spawn_member(&format!("after-reset-{i}"));
         // Once the member has committed its way back to where the live run ended, it
-        // has re-read and re-flushed everything after the reset.
+        // has re-read everything after the reset.
         wait_until("the member re-reads to the end", CONVERGE, || async {
             equals(env.committed_offsets().await, done.clone())
         })
         .await;
-        let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-        assert!(d.is_exact(), "after the reset {target:?}:\n{}", d.report(20));
+        env.assert_counts_converge(&truth.counts, CONVERGE).await;
         assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_of_old_history_leaves_no_more_dedup_keys_than_it_found() {
-    let (env, truth) = counted_topic("oldhistory", Spec { count: 30_000, seed: 75, ..Spec::default() }).await;
+    let spec = Spec { count: 30_000, seed: 75, cross_partition_ratio: 0.3, ..Spec::default() };
+    let (env, truth) = counted_topic("oldhistory", spec).await;
     // The live keys are gone, as they are once a backfill is older than the window.
     env.delete_dedup_keys().await;
-    run_to_end(&env, "replay", &["replay", "--from", "earliest"], 0).await;
-    assert_eq!(env.dedup_key_count().await, 0, "the replay left its dedup state in Redis");
-    let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
-    assert!(d.is_exact(), "{}", d.report(20));
+    env.replay_checked("replay", "earliest", &truth.counts).await;
+    assert_eq!(env.dedup_key_count().await, 0, "the replays left their dedup state in Redis");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

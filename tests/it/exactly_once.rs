@@ -6,15 +6,18 @@ use clickagg::produce::Spec;
 use rand::Rng;
 use rdkafka::Offset;
 
-use crate::helpers::{equals, wait_until, TestEnv};
+use crate::helpers::{equals, wait_until, Member, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hundred_thousand_clicks_with_ten_percent_duplicates_count_exactly() {
     let env = TestEnv::new("exact100k").await;
-    let (records, truth) = env.plan(Spec { count: 100_000, duplicate_ratio: 0.1, seed: 1, ..Spec::default() });
-    assert!(truth.duplicates > 9_000, "{}", truth.summary());
+    // Retries re-stamped into another minute: counting a retry instead of its original
+    // would put a click in the wrong minute, not just look exact.
+    let spec = Spec { count: 100_000, duplicate_ratio: 0.1, retry_drift_ratio: 0.5, seed: 1, ..Spec::default() };
+    let (records, truth) = env.plan(spec);
+    assert!(truth.duplicates > 9_000 && truth.drifted > 4_000, "{}", truth.summary());
     env.send(&records, 4, None).await;
 
     let mut member = env.spawn_member("m0");
@@ -37,31 +40,68 @@ async fn hundred_thousand_clicks_with_ten_percent_duplicates_count_exactly() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn members_killed_with_sigkill_mid_stream_and_mid_flush_count_exactly() {
     let env = TestEnv::new("sigkill").await;
-    let (records, truth) = env.plan(Spec { count: 150_000, seed: 2, ..Spec::default() });
+    let spec = Spec { count: 150_000, seed: 2, retry_drift_ratio: 0.3, ..Spec::default() };
+    let (records, truth) = env.plan(spec);
+    assert!(truth.drifted > 2_000, "{}", truth.summary());
     // Produce while the members consume, so every kill lands mid-stream.
     let producer = env.spawn_producer(&records, 4, 15_000);
     // Static membership: a restarted member takes its partitions back at once.
     let extra = [("CLICKAGG__KAFKA__GROUP_INSTANCE_ID", "member-0")];
-    let mut kills_during_flush = 0;
-    for round in 0..6 {
-        let member_label = format!("m{round}");
-        let mut member = env.spawn(&member_label, &["run"], &extra);
+    // Every other member is killed as soon as it logs that a flush with rows starts; its
+    // log then shows whether the kill came before the flush completed. Kills go on
+    // until three did land mid-flush, or fail after twelve such attempts.
+    let (mut attempts, mut mid_flush) = (0, 0);
+    for round in 0.. {
+        if mid_flush >= MID_FLUSH_KILLS {
+            break;
+        }
+        assert!(
+            attempts < 4 * MID_FLUSH_KILLS,
+            "only {mid_flush} of {attempts} kills right after \"flushing\" came before the flush completed"
+        );
+        let mut member = env.spawn(&format!("m{round}"), &["run"], &extra);
         let seen = member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
         if round % 2 == 0 {
-            // Kill as soon as a flush starts: the insert is in flight, no commit yet.
-            member.wait_for_line("\"flushing\"", seen, Duration::from_secs(30)).await;
-            kills_during_flush += 1;
+            let started = flush_with_rows(&member, seen).await;
+            member.kill9().await;
+            attempts += 1;
+            if flush_in_flight(&member.lines()[started..]) {
+                mid_flush += 1;
+            }
         } else {
             let ms = rand::rng().random_range(100..1500);
             tokio::time::sleep(Duration::from_millis(ms)).await;
+            member.kill9().await;
         }
-        member.kill9().await;
     }
-    assert!(kills_during_flush >= 3);
     let mut last = env.spawn("last", &["run"], &extra);
     producer.await.unwrap();
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(last.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// Kills that must land while a flush's insert is in flight.
+const MID_FLUSH_KILLS: usize = 3;
+
+/// Waits for the member to log that a flush writing rows starts (flushes of commits
+/// alone take no time); returns the number of lines up to it.
+async fn flush_with_rows(member: &Member, from: usize) -> usize {
+    let mut from = from;
+    loop {
+        let at = member.wait_for_line(r#""message":"flushing""#, from, Duration::from_secs(30)).await;
+        let line: serde_json::Value = serde_json::from_str(&member.lines()[at - 1]).expect("a JSON log line");
+        if line["rows"].as_u64().is_some_and(|rows| rows > 0) {
+            return at;
+        }
+        from = at;
+    }
+}
+
+/// Whether the output after a "flushing" line (a killed member's, complete) shows the
+/// flush never completed: no "flushed" from the flusher, so its offsets were not
+/// committed either.
+fn flush_in_flight(after: &[String]) -> bool {
+    !after.iter().any(|l| l.contains(r#""message":"flushed""#))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

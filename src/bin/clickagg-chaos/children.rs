@@ -73,8 +73,32 @@ pub struct Process {
     pub log: PathBuf,
     child: Child,
     pids: Pids,
-    /// How many "flushing" lines it logged (a flush's insert starts right after one).
-    pub flushing: watch::Receiver<u64>,
+    /// What its log said of its flushes so far.
+    pub flushes: watch::Receiver<Flushes>,
+}
+
+/// A member's flushes as its log tells them: the sink's debug line "flushing" comes
+/// right before a flush's inserts, the flusher's "flushed" once they are durable (and
+/// before its offsets are committed), "flush failed" when they were not.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Flushes {
+    /// "flushing" lines of flushes that write rows (one of commits alone takes no time).
+    pub started: u64,
+    /// A flush started and neither completed nor failed since.
+    pub in_flight: bool,
+    /// Its log ended (the process exited): nothing more will change.
+    pub ended: bool,
+}
+
+impl Flushes {
+    fn read(&mut self, line: &str) {
+        if line.contains(r#""message":"flushing""#) && !line.contains(r#""rows":0,"#) {
+            self.started += 1;
+            self.in_flight = true;
+        } else if line.contains(r#""message":"flushed""#) || line.contains("flush failed") {
+            self.in_flight = false;
+        }
+    }
 }
 
 impl Launcher {
@@ -99,28 +123,44 @@ impl Launcher {
         let mut child = cmd.spawn().with_context(|| format!("starting {}", self.bin.display()))?;
         let pid = child.id().context("a child just spawned has a PID")?;
         self.pids.register(pid, label);
-        let (tx, rx) = watch::channel(0u64);
+        let (tx, rx) = watch::channel(Flushes::default());
         let stderr = child.stderr.take().context("stderr is piped")?;
         let mut file = std::fs::OpenOptions::new().append(true).open(&log)?;
         tokio::spawn(async move {
             let mut lines = BufReader::new(stderr).lines();
             while let Ok(Some(line)) = lines.next_line().await {
-                if line.contains(r#""message":"flushing""#) {
-                    tx.send_modify(|n| *n += 1);
-                }
+                tx.send_if_modified(|f| {
+                    let before = *f;
+                    f.read(&line);
+                    *f != before
+                });
                 let _ = writeln!(file, "{line}");
             }
+            tx.send_modify(|f| f.ended = true);
         });
-        Ok(Process { label: label.to_string(), pid, log, child, pids: self.pids.clone(), flushing: rx })
+        Ok(Process { label: label.to_string(), pid, log, child, pids: self.pids.clone(), flushes: rx })
     }
 }
 
 impl Process {
-    /// SIGKILL, and reap it.
-    pub async fn kill(mut self) {
+    /// SIGKILL, and reap it. Returns what its log says of its flushes, complete (up
+    /// to a few seconds for the rest of its output to be read).
+    pub async fn kill(mut self) -> Flushes {
         signal(self.pid, libc::SIGKILL);
         let _ = self.child.wait().await;
         self.pids.unregister(self.pid);
+        let mut rx = self.flushes.clone();
+        let _ = tokio::time::timeout(Duration::from_secs(5), rx.wait_for(|f| f.ended)).await;
+        let flushes = *rx.borrow();
+        flushes
+    }
+
+    /// SIGSTOP (`true`) or SIGCONT (`false`): a member frozen past its session timeout
+    /// comes back as a zombie. Only while this process is ours and not reaped.
+    pub fn freeze(&mut self, frozen: bool) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            signal(self.pid, if frozen { libc::SIGSTOP } else { libc::SIGCONT });
+        }
     }
 
     /// SIGTERM, and its exit code once it exits (`None`: killed after `timeout`, or by
@@ -180,6 +220,21 @@ fn parse_status(status: &str) -> Option<(u64, u64)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_flush_is_in_flight_from_flushing_with_rows_until_flushed_or_failed() {
+        let mut f = Flushes::default();
+        let line = |m: &str, rows: u32| format!(r#"{{"level":"DEBUG","message":"{m}","rows":{rows},"target":"x"}}"#);
+        f.read(&line("flushing", 0));
+        assert_eq!((f.started, f.in_flight), (0, false), "a flush of commits alone does not count");
+        f.read(&line("flushing", 12));
+        assert_eq!((f.started, f.in_flight), (1, true));
+        f.read(&line("flushed", 12));
+        assert!(!f.in_flight);
+        f.read(&line("flushing", 3));
+        f.read(r#"{"level":"WARN","message":"flush failed; keeping the rows and retrying"}"#);
+        assert_eq!((f.started, f.in_flight), (2, false));
+    }
 
     #[test]
     fn resident_memory_is_read_from_proc_status() {

@@ -13,12 +13,9 @@ use rand::Rng;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::children::{self, Launcher, Process};
+use crate::children::{self, Flushes, Launcher, Process};
 use crate::schedule::{Event, Fault};
 use crate::Log;
-
-/// How long the group gets to recover after a disruption before the next one starts.
-const CALM: Duration = Duration::from_secs(20);
 
 /// How long a mid-flush kill waits for its member to start a flush.
 const FLUSH_WAIT: Duration = Duration::from_secs(15);
@@ -132,7 +129,11 @@ pub async fn monitor(fleet: SharedFleet, log: Log, abort: CancellationToken) {
 /// What the injector needs from the run's configuration.
 pub struct Setup {
     pub stack: PathBuf,
+    /// The private stack's directory (`CLICKAGG_STACK_DIR`): where Redis keeps its data.
+    pub stack_dir: PathBuf,
     pub session_timeout: Duration,
+    /// How long the group gets to recover after a disruption before the next one starts.
+    pub calm: Duration,
     pub clickhouse_outage: Duration,
     /// The record time of the first record and the production span: replays name
     /// their ranges by record time.
@@ -140,12 +141,24 @@ pub struct Setup {
     pub production: Duration,
 }
 
-#[derive(Default)]
-struct Kills {
-    after_flushing: u32,
-    flushing_never_came: u32,
-    during_outage: u32,
-    at_random: u32,
+/// The kills as they happened. A planned mid-flush kill counts as one only if the
+/// killed member's log shows a flush started and not completed: a flush can finish in
+/// the moment between its "flushing" line and the signal.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct Kills {
+    pub mid_flush: u32,
+    /// Planned mid-flush, but the flush completed before the signal landed.
+    pub flush_completed_first: u32,
+    /// Planned mid-flush, but no flush with rows started within `FLUSH_WAIT`.
+    pub flushing_never_came: u32,
+    pub during_outage: u32,
+    pub at_random: u32,
+}
+
+impl Kills {
+    pub fn planned_mid_flush(&self) -> u32 {
+        self.mid_flush + self.flush_completed_first + self.flushing_never_came
+    }
 }
 
 /// The fault injector: executes the plan's events one after the other.
@@ -162,7 +175,7 @@ pub struct Chaos {
     pub outages: BTreeMap<&'static str, Duration>,
     /// The next disruption waits until then.
     calm_after: Instant,
-    kills: Kills,
+    pub kills: Kills,
     rebalances: Vec<String>,
     replay_notes: Vec<String>,
     /// Replays and stops that failed.
@@ -203,12 +216,13 @@ impl Chaos {
             tokio::time::sleep(wait).await;
         }
         match &event.fault {
-            Fault::Kill { mid_flush } => {
+            Fault::Kill { mid_flush: false } => {
                 let slot = self.pick(0..4).await;
-                let how = if *mid_flush { self.await_flush(slot).await } else { self.at_random() };
+                self.kills.at_random += 1;
                 let delay = self.rng.random_range(500..3_000);
-                self.kill_and_restart(slot, how, delay).await;
+                self.kill_and_restart(slot, "at a random moment", delay).await;
             }
+            Fault::Kill { mid_flush: true } => self.kill_mid_flush().await,
             Fault::Join => {
                 self.fleet.lock().await.start(3, &self.log)?;
                 self.rebalances.push("join (a 4th member)".into());
@@ -220,41 +234,121 @@ impl Chaos {
                 let away = self.setup.session_timeout + Duration::from_secs(5);
                 self.kill_and_restart(slot, "as the crash rebalance", away.as_millis() as u64).await;
                 self.rebalances.push(format!("crash (slot {slot}, SIGKILL, back after {} s)", away.as_secs()));
-                self.calm_after = Instant::now() + self.setup.session_timeout + CALM;
+                self.calm_after = Instant::now() + self.setup.session_timeout + self.setup.calm;
             }
+            Fault::Zombie => self.zombie().await,
             Fault::RedisRestart => {
                 let took = self.stack(&["restart", "redis"]).await?;
-                self.outages.insert("Redis restart", took);
-                self.calm_after = Instant::now() + CALM;
+                self.outage("Redis restart (data kept)", took);
+            }
+            Fault::RedisKill => {
+                let started = Instant::now();
+                self.stack(&["kill", "redis"]).await?;
+                self.stack(&["up", "redis"]).await?;
+                self.outage("Redis SIGKILL (restarted from its append-only file)", started.elapsed());
+            }
+            Fault::RedisLost => {
+                let started = Instant::now();
+                self.stack(&["down", "redis"]).await?;
+                let deleted = self.delete_redis_data()?;
+                self.log.note(format!("deleted Redis's data: {}", deleted.join(", ")));
+                self.stack(&["up", "redis"]).await?;
+                self.outage("Redis lost (restarted without its data: the cache is empty)", started.elapsed());
             }
             Fault::ClickHouseOutage { kills } => self.clickhouse_outage(*kills).await?,
             Fault::BrokerRestart => {
                 let took = self.stack(&["restart", "kafka"]).await?;
-                self.outages.insert("broker restart", took);
-                self.calm_after = Instant::now() + CALM;
+                self.outage("broker restart", took);
             }
             Fault::Replay { from, to } => self.replay(*from, *to)?,
         }
         Ok(())
     }
 
-    /// Waits for `slot`'s next "flushing" line (its insert is about to be in flight).
-    async fn await_flush(&mut self, slot: usize) -> &'static str {
-        let rx = self.fleet.lock().await.live.get(&slot).map(|p| p.flushing.clone());
-        if let Some(mut rx) = rx {
-            rx.borrow_and_update();
-            if tokio::time::timeout(FLUSH_WAIT, rx.changed()).await.is_ok_and(|r| r.is_ok()) {
-                self.kills.after_flushing += 1;
-                return "right after it logged \"flushing\"";
-            }
-        }
-        self.kills.flushing_never_came += 1;
-        "after waiting in vain for a flush to start"
+    fn outage(&mut self, what: &'static str, took: Duration) {
+        self.outages.insert(what, took);
+        self.calm_after = Instant::now() + self.setup.calm;
     }
 
-    fn at_random(&mut self) -> &'static str {
-        self.kills.at_random += 1;
-        "at a random moment"
+    /// Deletes what Redis persists (the append-only files, a snapshot), while it is down;
+    /// the names of what was there. None is a failure: the fault would not be injected.
+    fn delete_redis_data(&self) -> Result<Vec<String>> {
+        let dir = self.setup.stack_dir.join("redis");
+        let mut deleted = Vec::new();
+        for name in ["appendonlydir", "appendonly.aof", "dump.rdb"] {
+            let path = dir.join(name);
+            let gone = if path.is_dir() { std::fs::remove_dir_all(&path) } else { std::fs::remove_file(&path) };
+            match gone {
+                Ok(()) => deleted.push(name.to_string()),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e).with_context(|| format!("deleting {}", path.display())),
+            }
+        }
+        if deleted.is_empty() {
+            bail!("no Redis data in {} to delete", dir.display());
+        }
+        Ok(deleted)
+    }
+
+    /// A member killed right after it logs that a flush with rows starts, and restarted;
+    /// its log then tells whether the kill came while the flush was in flight.
+    async fn kill_mid_flush(&mut self) {
+        let slot = self.pick(0..4).await;
+        let flushes = self.fleet.lock().await.live.get(&slot).map(|p| p.flushes.clone());
+        let started = match flushes {
+            Some(mut rx) => {
+                let before = rx.borrow_and_update().started;
+                tokio::time::timeout(FLUSH_WAIT, rx.wait_for(|f| f.started > before || f.ended))
+                    .await
+                    .is_ok_and(|r| r.is_ok_and(|f| f.started > before))
+            }
+            None => false,
+        };
+        let delay = self.rng.random_range(500..3_000);
+        if !started {
+            self.kills.flushing_never_came += 1;
+            let how = format!("after waiting {} s in vain for a flush to start (not mid-flush)", FLUSH_WAIT.as_secs());
+            self.kill_and_restart(slot, &how, delay).await;
+            return;
+        }
+        match self.kill_and_restart(slot, "right after it logged \"flushing\"", delay).await {
+            Some(f) if f.in_flight => {
+                self.kills.mid_flush += 1;
+                self.log.note("  its log shows the flush in flight: the kill landed mid-flush");
+            }
+            _ => {
+                self.kills.flush_completed_first += 1;
+                self.log.note("  its log shows the flush completed before the kill landed: not mid-flush");
+            }
+        }
+    }
+
+    /// A member frozen (SIGSTOP) past its session timeout, so the group hands its
+    /// partitions on, then thawed (SIGCONT): it resumes with the state it had, a zombie,
+    /// until it learns it was fenced.
+    async fn zombie(&mut self) {
+        let slot = self.pick(0..3).await;
+        // Out of the fleet while frozen: nothing else signals it meanwhile.
+        let Some(mut p) = self.fleet.lock().await.take(slot) else { return };
+        let frozen_for = self.setup.session_timeout + Duration::from_secs(5);
+        p.freeze(true);
+        self.log.note(format!("SIGSTOP {}: frozen for {} s", p.label, frozen_for.as_secs()));
+        tokio::time::sleep(frozen_for).await;
+        p.freeze(false);
+        self.log.note(format!("SIGCONT {}: back as a zombie", p.label));
+        self.rebalances.push(format!("zombie ({}, SIGSTOP {} s, then SIGCONT)", p.label, frozen_for.as_secs()));
+        // Nothing starts a slot whose member is alive, but never two members in a slot.
+        let spare = match self.fleet.lock().await.live.entry(slot) {
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(p);
+                None
+            }
+            std::collections::btree_map::Entry::Occupied(_) => Some(p),
+        };
+        if let Some(p) = spare {
+            p.kill().await;
+        }
+        self.calm_after = Instant::now() + self.setup.session_timeout + self.setup.calm;
     }
 
     /// ClickHouse SIGKILLed (gone at once, inserts in flight cut off; a SIGTERM lets the
@@ -273,8 +367,7 @@ impl Chaos {
         }
         tokio::time::sleep_until((down + outage).into()).await;
         self.stack(&["up", "clickhouse"]).await?;
-        self.outages.insert("ClickHouse outage", down.elapsed());
-        self.calm_after = Instant::now() + CALM;
+        self.outage("ClickHouse outage", down.elapsed());
         Ok(())
     }
 
@@ -307,10 +400,12 @@ impl Chaos {
         }
     }
 
-    async fn kill_and_restart(&mut self, slot: usize, how: &str, restart_after_ms: u64) {
-        let Some(p) = self.fleet.lock().await.take(slot) else { return };
+    /// SIGKILLs `slot`'s member and restarts it after a while; what its log said of its
+    /// flushes, once complete (`None`: no member in that slot).
+    async fn kill_and_restart(&mut self, slot: usize, how: &str, restart_after_ms: u64) -> Option<Flushes> {
+        let p = self.fleet.lock().await.take(slot)?;
         let label = p.label.clone();
-        p.kill().await;
+        let flushes = p.kill().await;
         self.log.note(format!("SIGKILL {label} {how}; restart in {:.1} s", restart_after_ms as f64 / 1000.0));
         let (fleet, log) = (self.fleet.clone(), self.log.clone());
         self.restarts.spawn(async move {
@@ -320,6 +415,7 @@ impl Chaos {
                 f.incidents.push(format!("restarting slot {slot}: {e:#}"));
             }
         });
+        Some(flushes)
     }
 
     /// Runs `scripts/stack ARGS` on the private stack; how long it took.
@@ -383,16 +479,22 @@ impl Chaos {
     /// What was injected, for the table.
     pub fn summary(&self) -> Vec<String> {
         let k = &self.kills;
-        let total = k.after_flushing + k.flushing_never_came + k.during_outage + k.at_random;
-        let in_vain = if k.flushing_never_came > 0 {
-            format!(", {} after waiting {} s in vain for a flush", k.flushing_never_came, FLUSH_WAIT.as_secs())
-        } else {
-            String::new()
-        };
-        let mut out = vec![format!(
-            "{total} SIGKILLs, each restarted: {} right after \"flushing\", {} during the ClickHouse outage, {} at random{in_vain}",
-            k.after_flushing, k.during_outage, k.at_random
-        )];
+        let total = k.planned_mid_flush() + k.during_outage + k.at_random;
+        let mut out = vec![
+            format!(
+                "{total} SIGKILLs, each restarted: {} planned mid-flush, {} during the ClickHouse outage, {} at random",
+                k.planned_mid_flush(),
+                k.during_outage,
+                k.at_random
+            ),
+            format!(
+                "mid-flush kills: {} landed with a flush in flight, {} after it completed, {} found no flush in {} s",
+                k.mid_flush,
+                k.flush_completed_first,
+                k.flushing_never_came,
+                FLUSH_WAIT.as_secs()
+            ),
+        ];
         out.push(format!("rebalances: {}", self.rebalances.join("; ")));
         for (what, took) in &self.outages {
             out.push(format!("{what}: {:.0} s unavailable", took.as_secs_f64()));

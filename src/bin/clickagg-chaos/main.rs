@@ -3,17 +3,23 @@
 //! stack that is not private).
 //!
 //! One consumer group of three `clickagg run` members consumes while the seeded
-//! generator produces at a fixed rate; meanwhile the driver SIGKILLs members (some right
-//! after a flush starts, some while ClickHouse is down and flushes are retried) and
-//! restarts them, has a fourth member join and leave, crashes one, restarts Redis,
-//! takes ClickHouse away, restarts the broker and runs replays of overlapping ranges.
-//! Then it compares ClickHouse with the generator's truth and the dead-letter topic
-//! with the generator's invalid records, and reports the longest time a partition made
-//! no progress and the members' peak memory. Exit 0: no click lost or counted twice,
-//! every dead letter there, no partition stalled longer than the longest outage plus
-//! 30 s, and no member, replay or leave that failed. Exit 1 otherwise; 2 when the run
-//! could not be carried out (a service that would not restart, members that keep
-//! exiting on their own); 130 when interrupted.
+//! generator produces at a fixed rate — duplicates (some re-stamped into another
+//! minute), copies of clicks on other partitions, invalid records; meanwhile the driver
+//! SIGKILLs members (some while a flush is in flight, some while ClickHouse is down and
+//! flushes are retried) and restarts them, has a fourth member join and leave, crashes
+//! one, freezes one past its session timeout and lets it come back as a zombie, kills
+//! Redis (restarted from its append-only file) and loses it (restarted without its
+//! data), takes ClickHouse away, restarts the broker and runs replays of overlapping
+//! ranges. Then it compares ClickHouse with the generator's truth, the hourly and daily
+//! roll-ups with the minute rows, and the dead-letter topic with the generator's
+//! invalid records, and reports the longest time a partition made no progress and the
+//! members' peak memory. Exit 0 only if every check passes: the counts became exact
+//! within the settle timeout and no click is lost or counted twice, the roll-ups agree,
+//! every dead letter is there, no partition stalled longer than the longest outage plus
+//! 30 s, at least one planned mid-flush kill landed mid-flush, and no member, replay or
+//! leave failed. Exit 1 otherwise, naming each failed check; 2 when the run could not
+//! be carried out (a service that would not restart, members that keep exiting on their
+//! own); 130 when interrupted.
 
 mod children;
 mod inject;
@@ -62,7 +68,7 @@ struct Cli {
     /// The clickagg binary the members and replays run (default: beside this one).
     #[arg(long)]
     clickagg: Option<PathBuf>,
-    /// The CI preset: 300 000 records, 5 kills, one outage of each kind, 1 replay.
+    /// The CI preset: 300 000 records, 5 kills, one fault of each hard kind, 1 replay.
     #[arg(long)]
     reduced: bool,
     /// Click records generated (duplicates and invalid records included).
@@ -103,6 +109,10 @@ struct Preset {
     partitions: i32,
     clickhouse_outage: Duration,
     settle_timeout: Duration,
+    /// How long the group recovers after a disruption before the next one starts.
+    calm: Duration,
+    /// Also the gentle Redis restart (data kept), besides its kill and its loss.
+    redis_restart: bool,
 }
 
 const FULL: Preset = Preset {
@@ -113,8 +123,13 @@ const FULL: Preset = Preset {
     partitions: 8,
     clickhouse_outage: Duration::from_secs(30),
     settle_timeout: Duration::from_secs(300),
+    calm: Duration::from_secs(20),
+    redis_restart: true,
 };
 
+/// Every hard fault of the full run, in about the time the CI run took before the
+/// Redis kill, the Redis loss and the zombie were added: a shorter calm between
+/// disruptions, and no gentle Redis restart.
 const REDUCED: Preset = Preset {
     clicks: 300_000,
     kills: 5,
@@ -123,7 +138,15 @@ const REDUCED: Preset = Preset {
     partitions: 4,
     clickhouse_outage: Duration::from_secs(12),
     settle_timeout: Duration::from_secs(180),
+    calm: Duration::from_secs(12),
+    redis_restart: false,
 };
+
+/// Copies of clicks on other partitions (a producer that does not key by click ID),
+/// whose recorded decisions every re-read must honour, and retries re-stamped into
+/// another minute, which a pipeline counting a retry instead of its original gets wrong.
+const CROSS_PARTITION_RATIO: f64 = 0.3;
+const RETRY_DRIFT_RATIO: f64 = 0.3;
 
 /// The run's settings, preset and flags resolved.
 struct Config {
@@ -154,6 +177,8 @@ impl Config {
             partitions: cli.partitions.unwrap_or(p.partitions),
             clickhouse_outage: cli.clickhouse_outage.map_or(p.clickhouse_outage, Into::into),
             settle_timeout: cli.settle_timeout.map_or(p.settle_timeout, Into::into),
+            calm: p.calm,
+            redis_restart: p.redis_restart,
         };
         let c = Config { cli, run, settings };
         ensure!(
@@ -292,12 +317,15 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     ensure!(bin.is_file(), "{} not found: build it first (scripts/chaos does)", bin.display());
     let production = c.production();
     log.note(format!(
-        "topic {} ({} partitions), {} records at {}/s ({:.0} s), {} kills, {} replays, ClickHouse outage {:?}, seed {}",
+        "topic {} ({} partitions), {} records at {}/s ({:.0} s; copies on other partitions {}, retries re-stamped {}), \
+         {} kills, {} replays, ClickHouse outage {:?}, seed {}",
         s.kafka.topic,
         c.run.partitions,
         c.run.clicks,
         c.run.rate,
         production.as_secs_f64(),
+        CROSS_PARTITION_RATIO,
+        RETRY_DRIFT_RATIO,
         c.run.kills,
         c.run.replays,
         c.run.clickhouse_outage,
@@ -333,14 +361,30 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
 
     // The records, at the rate asked, their record times following the wall clock.
     let start_ms = chrono::Utc::now().timestamp_millis();
-    let spec = Spec { count: c.run.clicks, seed: c.cli.seed, start_ms, span: production, ..Spec::default() };
+    let spec = Spec {
+        count: c.run.clicks,
+        seed: c.cli.seed,
+        start_ms,
+        span: production,
+        cross_partition_ratio: CROSS_PARTITION_RATIO,
+        retry_drift_ratio: RETRY_DRIFT_RATIO,
+        ..Spec::default()
+    };
     let producer = tokio::spawn(produce(s.kafka.clone(), c.run.partitions, c.run.rate, spec, log.clone()));
 
     // The faults, meanwhile.
-    let shape = Shape { production, kills: c.run.kills, replays: c.run.replays, seed: c.cli.seed };
+    let shape = Shape {
+        production,
+        kills: c.run.kills,
+        replays: c.run.replays,
+        seed: c.cli.seed,
+        redis_restart: c.run.redis_restart,
+    };
     let setup = inject::Setup {
         stack: c.cli.stack.clone(),
+        stack_dir: std::env::var_os("CLICKAGG_STACK_DIR").map(PathBuf::from).context("CLICKAGG_STACK_DIR")?,
         session_timeout: c.cli.session_timeout.into(),
+        calm: c.run.calm,
         clickhouse_outage: c.run.clickhouse_outage,
         start_ms,
         production,
@@ -365,7 +409,7 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
 
     // Every fault is over: the counts must become exact, and stay so through a drain.
     let settled = settle(&sink, &s.kafka.topic, &truth.counts, c.run.settle_timeout, &log).await?;
-    let stall = sampler.stop();
+    let (stall, commits_back) = sampler.stop();
     monitor.abort();
     log.note(if settled {
         "counts are exact; stopping the members"
@@ -388,6 +432,10 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     if !diff.is_exact() {
         log.note(format!("counts differ from the truth:\n{}", diff.report(40)));
     }
+    let rollups = report::rollup_disagreements(&sink, &s.kafka.topic).await.context("comparing the roll-ups")?;
+    for r in &rollups {
+        log.note(format!("roll-ups: {r}"));
+    }
     let (k, dlq) = (s.kafka.clone(), s.dead_letter_topic());
     let dead_letters = tokio::task::spawn_blocking(move || DeadLetters::read(&k, &dlq)).await??;
 
@@ -399,11 +447,17 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
         records_sent: c.run.clicks,
         clicks_sent: truth.clicks,
         duplicates_sent: truth.duplicates,
+        drifted_sent: truth.drifted,
         diff,
+        settled,
+        settle_timeout: c.run.settle_timeout,
+        rollups,
         invalid_sent: truth.malformed.clone(),
         dead_letters,
         stall,
+        commits_back,
         stall_limit: longest_outage + Duration::from_secs(30),
+        kills: chaos.kills,
         peak_rss_kib: f.peak_rss_kib,
         peak_rss_of: f.peak_rss_of.clone(),
         faults: chaos.summary(),

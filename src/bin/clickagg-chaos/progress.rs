@@ -1,10 +1,13 @@
 //! Whether the group kept making progress: the committed offsets of the group and the
 //! log end offsets, sampled every second, and the longest time a partition had work
-//! the group could commit and its committed offset did not move.
+//! waiting and its committed offset did not pass the furthest it had reached.
 //!
 //! The group commits batch boundaries only (the start of its oldest open batch), so a
 //! partition whose log ends inside the batch after its committed offset has nothing to
-//! commit yet; it has work waiting once a whole batch lies past the committed offset.
+//! commit yet; it has work waiting once a whole batch lies past the furthest commit.
+//! Progress is a commit past the furthest one before: a commit that moves back (a
+//! zombie's, a re-read's) and forward again to where it was is not progress, and does
+//! not end a stall.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -28,8 +31,11 @@ pub struct Stall {
 
 #[derive(Debug, Clone, Copy)]
 struct Partition {
-    committed: i64,
-    /// Since when work has waited at this committed offset.
+    /// The furthest committed offset seen.
+    furthest: i64,
+    /// The committed offset of the last sample.
+    last: i64,
+    /// Since when work has waited without a commit past `furthest`.
     waiting_since: Option<f64>,
 }
 
@@ -39,29 +45,46 @@ pub struct Stalls {
     batch_offsets: i64,
     partitions: BTreeMap<i32, Partition>,
     pub longest: Stall,
+    /// Samples whose committed offset was below the one before (a zombie's commit, a
+    /// reset): worth knowing, never progress.
+    pub commits_back: u64,
 }
 
 impl Stalls {
     pub fn new(batch_offsets: u64) -> Stalls {
-        Stalls { batch_offsets: batch_offsets as i64, partitions: BTreeMap::new(), longest: Stall::default() }
+        Stalls {
+            batch_offsets: batch_offsets as i64,
+            partitions: BTreeMap::new(),
+            longest: Stall::default(),
+            commits_back: 0,
+        }
     }
 
     /// One sample of a partition at `t_s` seconds: its committed offset (`None`: the
     /// group has committed none, so it stands at the log start) and its log end.
     pub fn observe(&mut self, t_s: f64, partition: i32, committed: Option<i64>, log_end: i64) {
         let committed = committed.unwrap_or(0);
-        let waiting = log_end - committed >= self.batch_offsets;
-        let state = self.partitions.entry(partition).or_insert(Partition { committed, waiting_since: None });
+        let state = self.partitions.entry(partition).or_insert(Partition {
+            furthest: committed,
+            last: committed,
+            waiting_since: None,
+        });
+        if committed < state.last {
+            self.commits_back += 1;
+        }
+        state.last = committed;
         // A stall lasts at least until this sample, moved or not: the move happened
         // since the last one (the resolution is the sampling interval).
         if let Some(since) = state.waiting_since {
             if t_s - since > self.longest.length_s {
                 self.longest =
-                    Stall { partition, from_s: since, length_s: t_s - since, committed: state.committed, log_end };
+                    Stall { partition, from_s: since, length_s: t_s - since, committed: state.furthest, log_end };
             }
         }
-        if committed != state.committed {
-            state.committed = committed;
+        let advanced = committed > state.furthest;
+        state.furthest = state.furthest.max(committed);
+        let waiting = log_end - state.furthest >= self.batch_offsets;
+        if advanced {
             state.waiting_since = waiting.then_some(t_s);
         } else if waiting {
             state.waiting_since.get_or_insert(t_s);
@@ -103,13 +126,14 @@ impl Sampler {
         Sampler { stop, stalls, thread: Some(thread) }
     }
 
-    pub fn stop(mut self) -> Stall {
+    /// The longest stall, and how many samples saw a commit move back.
+    pub fn stop(mut self) -> (Stall, u64) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let longest = self.stalls.lock().expect("not poisoned").longest;
-        longest
+        let stalls = self.stalls.lock().expect("not poisoned");
+        (stalls.longest, stalls.commits_back)
     }
 }
 
@@ -168,6 +192,20 @@ mod tests {
         s.observe(9.0, 0, None, 900);
         assert_eq!(s.longest.length_s, 9.0);
         assert_eq!(s.longest.committed, 0);
+    }
+
+    #[test]
+    fn a_commit_that_moves_back_and_forward_again_is_not_progress() {
+        let mut s = Stalls::new(100);
+        s.observe(0.0, 1, Some(5_000), 9_000);
+        s.observe(10.0, 1, Some(4_000), 9_000); // a zombie commits an old offset
+        s.observe(20.0, 1, Some(5_000), 9_000); // back where it was: nothing new committed
+        s.observe(30.0, 1, Some(5_000), 9_000);
+        assert_eq!(s.longest, Stall { partition: 1, from_s: 0.0, length_s: 30.0, committed: 5_000, log_end: 9_000 });
+        assert_eq!(s.commits_back, 1);
+        s.observe(31.0, 1, Some(5_100), 9_000); // past the furthest: progress
+        s.observe(32.0, 1, Some(5_100), 9_000);
+        assert_eq!(s.longest.length_s, 31.0);
     }
 
     #[test]

@@ -1,6 +1,7 @@
-//! The verdict: counts against the generator's truth (the `verify` diff), dead letters
-//! against the generator's invalid records, the longest stall, peak memory; the table
-//! and the exit status.
+//! The verdict: counts against the generator's truth (the `verify` diff), the roll-ups
+//! against the minute rows, dead letters against the generator's invalid records, the
+//! longest stall, the kills that were to land mid-flush, peak memory; the table, which
+//! names every check and whether it passed, and the exit status.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
@@ -10,11 +11,13 @@ use anyhow::{Context, Result};
 use clickagg::click::RejectReason;
 use clickagg::config::KafkaSettings;
 use clickagg::dead_letter::{ORIGIN, REASON, SOURCE_OFFSET, SOURCE_PARTITION};
+use clickagg::sink::Sink;
 use clickagg::verify::Diff;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
+use crate::inject::Kills;
 use crate::progress::Stall;
 
 /// The dead letters read back: the distinct source positions the members ("run")
@@ -107,6 +110,54 @@ impl DeadLetters {
     }
 }
 
+/// Where the hourly and daily roll-ups disagree with the minute rows summed per hour
+/// and day (read through `FINAL`): one line per table that does, with examples.
+pub async fn rollup_disagreements(sink: &Sink, topic: &str) -> Result<Vec<String>> {
+    use clickagg::aggregate::Grain;
+    let topic = clickagg::sink::quote_literal(topic);
+    let read = |sql: String| async move {
+        let rows: Vec<(u64, u32, u64)> = sink.client().query(&sql).fetch_all().await?;
+        anyhow::Ok(rows.into_iter().map(|(ad, t, c)| ((ad, t), c)).collect::<BTreeMap<_, _>>())
+    };
+    let mut out = Vec::new();
+    for grain in [Grain::Hour, Grain::Day] {
+        let (table, time) = clickagg::sink::table_of(grain);
+        let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
+        let minutes = read(format!(
+            "SELECT ad_id, toUInt32({start}(minute)) AS t, sum(clicks) FROM ad_clicks_minute FINAL \
+             WHERE topic = {topic} GROUP BY ad_id, t"
+        ))
+        .await?;
+        let rolled = read(format!(
+            "SELECT ad_id, toUInt32({time}) AS t, sum(clicks) FROM {table} FINAL WHERE topic = {topic} GROUP BY ad_id, t"
+        ))
+        .await?;
+        let differ: Vec<_> = minutes
+            .keys()
+            .chain(rolled.keys())
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .filter(|k| minutes.get(k) != rolled.get(k))
+            .map(|k| (k, minutes.get(k).copied().unwrap_or(0), rolled.get(k).copied().unwrap_or(0)))
+            .collect();
+        if rolled.is_empty() {
+            out.push(format!("{table} has no rows"));
+        } else if !differ.is_empty() {
+            let examples: Vec<String> = differ
+                .iter()
+                .take(5)
+                .map(|((ad, t), m, r)| format!("ad {ad} at {t}: minutes {m}, {table} {r}"))
+                .collect();
+            out.push(format!(
+                "{} (ad, {time}) of {table} differ from the minute rows: {}",
+                differ.len(),
+                examples.join("; ")
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// A finding from the run outside the numbers: a member that exited on its own, a
 /// replay or a graceful leave that failed.
 pub type Incident = String;
@@ -117,12 +168,22 @@ pub struct Outcome {
     pub records_sent: u64,
     pub clicks_sent: u64,
     pub duplicates_sent: u64,
+    /// Of the duplicates, those re-stamped into another minute than their original's.
+    pub drifted_sent: u64,
     pub diff: Diff,
+    /// Whether the counts became exact within `settle_timeout` after the last fault.
+    pub settled: bool,
+    pub settle_timeout: Duration,
+    /// Where the roll-ups disagree with the minute rows (empty: they agree).
+    pub rollups: Vec<String>,
     pub invalid_sent: BTreeMap<RejectReason, u64>,
     pub dead_letters: DeadLetters,
     pub stall: Stall,
+    /// Samples that saw a committed offset move back.
+    pub commits_back: u64,
     /// Longest injected outage plus the slack the issue allows.
     pub stall_limit: Duration,
+    pub kills: Kills,
     pub peak_rss_kib: u64,
     pub peak_rss_of: String,
     pub faults: Vec<String>,
@@ -151,36 +212,67 @@ impl Outcome {
             .collect()
     }
 
-    /// Why the run fails; empty when it passes.
-    pub fn failures(&self) -> Vec<String> {
-        let mut out = Vec::new();
+    /// Every check, in the order of the table: its name and what failed (empty: passed).
+    pub fn checks(&self) -> Vec<(&'static str, Vec<String>)> {
+        let mut counts = Vec::new();
         if self.lost() > 0 {
-            out.push(format!("{} clicks lost", self.lost()));
+            counts.push(format!("{} clicks lost", self.lost()));
         }
         if self.doubled() > 0 {
-            out.push(format!("{} clicks counted twice", self.doubled()));
+            counts.push(format!("{} clicks counted twice", self.doubled()));
         }
+        let mut settled = Vec::new();
+        if !self.settled {
+            settled.push(format!(
+                "the counts were not exact within {} s of the last fault",
+                self.settle_timeout.as_secs()
+            ));
+        }
+        let mut letters = Vec::new();
         for (reason, expected, received) in self.dead_letters_by_reason() {
             if received < expected {
-                out.push(format!("{} {reason} dead letters missing", expected - received));
+                letters.push(format!("{} {reason} dead letters missing", expected - received));
             }
             if received > expected {
-                out.push(format!("{} {reason} dead letters for records that are not invalid", received - expected));
+                letters.push(format!("{} {reason} dead letters for records that are not invalid", received - expected));
             }
         }
         if self.dead_letters.unreadable > 0 {
-            out.push(format!("{} dead letters without their source headers", self.dead_letters.unreadable));
+            letters.push(format!("{} dead letters without their source headers", self.dead_letters.unreadable));
         }
+        let mut progress = Vec::new();
         if self.stall.length_s > self.stall_limit.as_secs_f64() {
-            out.push(format!(
+            progress.push(format!(
                 "partition {} made no progress for {:.0} s (limit {} s)",
                 self.stall.partition,
                 self.stall.length_s,
                 self.stall_limit.as_secs()
             ));
         }
-        out.extend(self.incidents.iter().cloned());
-        out
+        let mut mid_flush = Vec::new();
+        if self.kills.planned_mid_flush() > 0 && self.kills.mid_flush == 0 {
+            mid_flush.push(format!(
+                "none of the {} kills planned mid-flush landed while a flush was in flight",
+                self.kills.planned_mid_flush()
+            ));
+        }
+        vec![
+            ("counts exact (vs the generator's truth)", counts),
+            ("counts settled within the timeout", settled),
+            ("roll-ups agree with the minute rows", self.rollups.clone()),
+            ("dead letters (one per invalid record)", letters),
+            ("progress (no stall past the limit)", progress),
+            ("mid-flush kills landed mid-flush", mid_flush),
+            ("members, replays and leaves ran clean", self.incidents.clone()),
+        ]
+    }
+
+    /// Why the run fails, each prefixed with its check; empty when it passes.
+    pub fn failures(&self) -> Vec<String> {
+        self.checks()
+            .into_iter()
+            .flat_map(|(check, failed)| failed.into_iter().map(move |f| format!("{check}: {f}")))
+            .collect()
     }
 
     /// A Markdown table, so a result can go into the README as it is.
@@ -188,16 +280,19 @@ impl Outcome {
         let mut s = String::new();
         let _ = writeln!(s, "| {:<36} | {:<60} |", "chaos run", "result");
         let _ = writeln!(s, "|{}|{}|", "-".repeat(38), "-".repeat(62));
+        // A newline would end the table: an incident quotes several lines of a log.
         let mut row = |what: &str, value: String| {
+            let value = value.replace('\n', " ⏎ ");
             let _ = writeln!(s, "| {what:<36} | {value:<60} |");
         };
         row(
             "records sent",
             format!(
-                "{} ({} clicks, {} duplicates, {} invalid)",
+                "{} ({} clicks, {} duplicates of which {} re-stamped, {} invalid)",
                 self.records_sent,
                 self.clicks_sent,
                 self.duplicates_sent,
+                self.drifted_sent,
                 self.dead_letters_expected()
             ),
         );
@@ -226,12 +321,13 @@ impl Outcome {
         row(
             "longest partition without progress",
             format!(
-                "{:.0} s (partition {}, from {:.0} s, at offset {}; limit {} s)",
+                "{:.0} s (partition {}, from {:.0} s, at offset {}; limit {} s); {} commits moved back",
                 self.stall.length_s,
                 self.stall.partition,
                 self.stall.from_s,
                 self.stall.committed,
-                self.stall_limit.as_secs()
+                self.stall_limit.as_secs(),
+                self.commits_back
             ),
         );
         row("peak RSS of a member (VmHWM)", format!("{} MiB ({})", self.peak_rss_kib / 1024, self.peak_rss_of));
@@ -239,6 +335,12 @@ impl Outcome {
             row("injected", f.clone());
         }
         row("wall time", format!("{:.0} s", self.wall.as_secs_f64()));
+        for (check, failed) in self.checks() {
+            row(
+                &format!("check: {check}"),
+                if failed.is_empty() { "PASS".into() } else { format!("FAIL: {}", failed.join("; ")) },
+            );
+        }
         let failures = self.failures();
         row("verdict", if failures.is_empty() { "PASS".to_string() } else { format!("FAIL: {}", failures.join("; ")) });
         s
@@ -268,11 +370,17 @@ mod tests {
             records_sent: expected,
             clicks_sent: expected,
             duplicates_sent: 0,
+            drifted_sent: 0,
             diff: diff(&BTreeMap::from([(k, expected)]), &BTreeMap::from([(k, actual)])),
+            settled: expected == actual,
+            settle_timeout: Duration::from_secs(180),
+            rollups: Vec::new(),
             invalid_sent: BTreeMap::from([(RejectReason::Oversized, 2)]),
             dead_letters: DeadLetters::default(),
             stall: Stall::default(),
+            commits_back: 0,
             stall_limit: Duration::from_secs(60),
+            kills: Kills { mid_flush: 1, ..Kills::default() },
             peak_rss_kib: 0,
             peak_rss_of: String::new(),
             faults: Vec::new(),
@@ -291,7 +399,10 @@ mod tests {
         assert_eq!((d.from_members, d.from_replays), (2, 1));
         let mut o = outcome(5, 5);
         o.dead_letters = d;
-        assert_eq!(o.failures(), vec!["1 oversized dead letters missing".to_string()]);
+        assert_eq!(
+            o.failures(),
+            vec!["dead letters (one per invalid record): 1 oversized dead letters missing".to_string()]
+        );
     }
 
     #[test]
@@ -304,6 +415,38 @@ mod tests {
         assert_eq!(outcome(5, 3).lost(), 2);
         assert_eq!(outcome(5, 8).doubled(), 3);
         o.stall = Stall { partition: 2, from_s: 10.0, length_s: 61.0, committed: 0, log_end: 9 };
-        assert_eq!(o.failures(), vec!["partition 2 made no progress for 61 s (limit 60 s)".to_string()]);
+        assert_eq!(
+            o.failures(),
+            vec!["progress (no stall past the limit): partition 2 made no progress for 61 s (limit 60 s)".to_string()]
+        );
+    }
+
+    #[test]
+    fn a_run_fails_when_the_counts_never_settled_the_roll_ups_disagree_or_no_kill_landed_mid_flush() {
+        let passing = || {
+            let mut o = outcome(5, 5);
+            o.dead_letters.add(letter("oversized", 0, 1, "run"));
+            o.dead_letters.add(letter("oversized", 0, 2, "run"));
+            o
+        };
+        assert!(passing().failures().is_empty());
+        let mut o = passing();
+        o.settled = false;
+        assert_eq!(
+            o.failures(),
+            vec!["counts settled within the timeout: the counts were not exact within 180 s of the last fault"]
+        );
+        let mut o = passing();
+        o.rollups = vec!["2 (ad, hour) of ad_clicks_hour differ from the minute rows: …".into()];
+        assert!(o.failures()[0].starts_with("roll-ups agree with the minute rows: 2 (ad, hour)"), "{:?}", o.failures());
+        let mut o = passing();
+        o.kills = Kills { flush_completed_first: 2, flushing_never_came: 1, ..Kills::default() };
+        assert_eq!(
+            o.failures(),
+            vec!["mid-flush kills landed mid-flush: none of the 3 kills planned mid-flush landed while a flush was in flight"]
+        );
+        assert!(o.table().contains("| check: mid-flush kills landed mid-flush"), "{}", o.table());
+        o.kills = Kills::default();
+        assert!(o.failures().is_empty(), "no kill planned mid-flush, none to land");
     }
 }

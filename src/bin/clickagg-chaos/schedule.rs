@@ -21,7 +21,17 @@ pub enum Fault {
     /// SIGKILL a member and restart it only after its session expired, so the group
     /// rebalances without it first.
     Crash,
+    /// Redis stopped and started again with its append-only file: the cache survives.
     RedisRestart,
+    /// Redis SIGKILLed and started again from its append-only file (fsynced every
+    /// second: the last second of claims may be gone).
+    RedisKill,
+    /// Redis stopped, its data files deleted, started again: the dedup cache is lost,
+    /// as with a Redis without persistence or a replacement.
+    RedisLost,
+    /// A member SIGSTOPped past its session timeout (the group moves its partitions
+    /// on), then SIGCONTed: it comes back as a zombie with its old state.
+    Zombie,
     /// ClickHouse killed, and started again after the outage; `kills` members are
     /// SIGKILLed meanwhile, evenly spread, while their flushes are being retried.
     ClickHouseOutage {
@@ -41,13 +51,20 @@ impl Fault {
     /// an operator reruns, and this run judges replays beside a running group, not
     /// replays through an outage.
     pub fn is_outage(&self) -> bool {
-        matches!(self, Fault::RedisRestart | Fault::ClickHouseOutage { .. } | Fault::BrokerRestart)
+        matches!(
+            self,
+            Fault::RedisRestart
+                | Fault::RedisKill
+                | Fault::RedisLost
+                | Fault::ClickHouseOutage { .. }
+                | Fault::BrokerRestart
+        )
     }
 
     /// A fault that stops partitions for a while. The run keeps these apart (see
     /// `Chaos`), so that the longest stall measures one of them, not two in a row.
     pub fn is_disruption(&self) -> bool {
-        self.is_outage() || *self == Fault::Crash
+        self.is_outage() || matches!(self, Fault::Crash | Fault::Zombie)
     }
 }
 
@@ -67,11 +84,16 @@ pub struct Shape {
     pub kills: u32,
     pub replays: u32,
     pub seed: u64,
+    /// Also the Redis restart that keeps its data, the easy case the kill and the loss
+    /// of Redis go beyond (the full run; the CI run saves the time).
+    pub redis_restart: bool,
 }
 
 /// The faults in time order. Fixed points of the production span, so every run
-/// injects each kind, with the kills at seeded random moments: one (two from ten kills
-/// on) inside the ClickHouse outage, half of the rest right after a flush starts.
+/// injects each kind (the loss of Redis's data while clicks still arrive, so that
+/// their retries meet the emptied cache), with the kills at seeded random moments: one
+/// (two from ten kills on) inside the ClickHouse outage, half of the rest right after a
+/// flush starts.
 pub fn plan(shape: &Shape) -> Vec<Event> {
     let mut rng = StdRng::seed_from_u64(shape.seed);
     let p = shape.production.as_secs_f64();
@@ -82,13 +104,18 @@ pub fn plan(shape: &Shape) -> Vec<Event> {
         _ => 2,
     };
     let mut events = vec![
-        Event { at: at(0.10), fault: Fault::Join },
-        Event { at: at(0.18), fault: Fault::Crash },
-        Event { at: at(0.30), fault: Fault::RedisRestart },
-        Event { at: at(0.42), fault: Fault::ClickHouseOutage { kills: in_outage } },
+        Event { at: at(0.08), fault: Fault::Join },
+        Event { at: at(0.14), fault: Fault::Crash },
+        Event { at: at(0.30), fault: Fault::RedisKill },
+        Event { at: at(0.38), fault: Fault::ClickHouseOutage { kills: in_outage } },
+        Event { at: at(0.48), fault: Fault::RedisLost },
         Event { at: at(0.55), fault: Fault::Leave },
-        Event { at: at(0.68), fault: Fault::BrokerRestart },
+        Event { at: at(0.62), fault: Fault::Zombie },
+        Event { at: at(0.72), fault: Fault::BrokerRestart },
     ];
+    if shape.redis_restart {
+        events.push(Event { at: at(0.22), fault: Fault::RedisRestart });
+    }
     // Replays beside the running group, each range overlapping the one before; the
     // last one reads up to the live edge the members are consuming.
     let slots = [0.25, 0.50, 0.75];
@@ -114,7 +141,7 @@ mod tests {
     use super::*;
 
     fn shape(kills: u32, replays: u32) -> Shape {
-        Shape { production: Duration::from_secs(500), kills, replays, seed: 7 }
+        Shape { production: Duration::from_secs(500), kills, replays, seed: 7, redis_restart: kills >= 10 }
     }
 
     /// How many members an event SIGKILLs.
@@ -136,7 +163,16 @@ mod tests {
         assert_eq!(events.iter().map(kills).sum::<u32>(), 20);
         assert_eq!(count(&events, |f| *f == Fault::ClickHouseOutage { kills: 2 }), 1);
         assert!(count(&events, |f| matches!(f, Fault::Kill { mid_flush: true })) >= 9);
-        for f in [Fault::Join, Fault::Leave, Fault::Crash, Fault::RedisRestart, Fault::BrokerRestart] {
+        for f in [
+            Fault::Join,
+            Fault::Leave,
+            Fault::Crash,
+            Fault::RedisRestart,
+            Fault::RedisKill,
+            Fault::RedisLost,
+            Fault::Zombie,
+            Fault::BrokerRestart,
+        ] {
             assert_eq!(count(&events, |g| *g == f), 1, "{f:?}");
         }
         assert_eq!(count(&events, |f| matches!(f, Fault::Replay { .. })), 3);
@@ -148,6 +184,18 @@ mod tests {
         let events = plan(&shape(5, 1));
         assert_eq!(events.iter().map(kills).sum::<u32>(), 5);
         assert_eq!(count(&events, |f| *f == Fault::ClickHouseOutage { kills: 1 }), 1);
+    }
+
+    #[test]
+    fn the_reduced_plan_keeps_the_hard_faults_and_leaves_out_only_the_gentle_redis_restart() {
+        let events = plan(&shape(5, 1));
+        for f in [Fault::RedisKill, Fault::RedisLost, Fault::Zombie, Fault::Crash, Fault::BrokerRestart] {
+            assert_eq!(count(&events, |g| *g == f), 1, "{f:?}");
+        }
+        assert_eq!(count(&events, |f| *f == Fault::RedisRestart), 0);
+        assert!(count(&events, |f| matches!(f, Fault::Kill { mid_flush: true })) >= 2);
+        let lost = events.iter().find(|e| e.fault == Fault::RedisLost).unwrap();
+        assert!(lost.at < Duration::from_secs(500) / 2, "Redis is lost while half the clicks are still to come");
     }
 
     #[test]

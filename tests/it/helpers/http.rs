@@ -26,12 +26,59 @@ pub async fn http_get(addr: &str, path: &str) -> (u16, String) {
 }
 
 /// The value of a metric line (`name{labels} value`) summed over label sets that
-/// contain every `label_filter`.
+/// contain every `label_filter`. Panics, naming the metrics there are, when no series
+/// matches: a renamed metric or label must fail the test, not read as 0 (the product
+/// exports every counter at 0 from the start).
 pub fn metric_value(body: &str, name: &str, label_filter: &[&str]) -> f64 {
-    body.lines()
+    series_sum(body, name, label_filter).unwrap_or_else(|| {
+        let mut names: Vec<&str> = body
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .collect();
+        names.dedup();
+        panic!("no series {name} with labels {label_filter:?} in /metrics; its metrics are: {}", names.join(", "))
+    })
+}
+
+/// The sum over the matching series; `None` when there is none.
+fn series_sum(body: &str, name: &str, label_filter: &[&str]) -> Option<f64> {
+    let values: Vec<f64> = body
+        .lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.starts_with(name) && matches!(l.as_bytes().get(name.len()), Some(b' ') | Some(b'{')))
         .filter(|l| label_filter.iter().all(|f| l.contains(f)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
+        .map(|l| {
+            let v = l.rsplit(' ').next().unwrap_or_default();
+            v.parse::<f64>().unwrap_or_else(|_| panic!("metric line {l:?}: {v:?} is not a number"))
+        })
+        .collect();
+    (!values.is_empty()).then(|| values.iter().sum())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BODY: &str = "# TYPE clickagg_x_total counter\nclickagg_x_total{reason=\"a\"} 2\n\
+                        clickagg_x_total{reason=\"b\"} 3\nclickagg_y 0\n";
+
+    #[test]
+    fn a_metric_sums_over_its_matching_series() {
+        assert_eq!(metric_value(BODY, "clickagg_x_total", &[]), 5.0);
+        assert_eq!(metric_value(BODY, "clickagg_x_total", &["reason=\"b\""]), 3.0);
+        assert_eq!(metric_value(BODY, "clickagg_y", &[]), 0.0);
+    }
+
+    #[test]
+    #[should_panic(expected = "no series clickagg_renamed_total")]
+    fn a_missing_metric_is_an_error_not_zero() {
+        metric_value(BODY, "clickagg_renamed_total", &[]);
+    }
+
+    #[test]
+    #[should_panic(expected = "no series clickagg_x_total with labels")]
+    fn a_missing_label_value_is_an_error_not_zero() {
+        metric_value(BODY, "clickagg_x_total", &["reason=\"c\""]);
+    }
 }

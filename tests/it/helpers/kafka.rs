@@ -2,12 +2,14 @@
 //! group's offsets. Every call here blocks on the broker, so it runs off the test's
 //! runtime (`spawn_blocking`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{Offset, TopicPartitionList};
+
+use clickagg::dead_letter::{ORIGIN, SOURCE_OFFSET, SOURCE_PARTITION};
 
 use super::env::TestEnv;
 
@@ -15,6 +17,22 @@ use super::env::TestEnv;
 pub struct DeadLetter {
     pub payload: Option<Vec<u8>>,
     pub headers: BTreeMap<String, String>,
+}
+
+impl DeadLetter {
+    /// The source record it names (`clickagg-source-partition`, `-offset`); a letter
+    /// without them fails the test.
+    pub fn source(&self) -> (i32, i64) {
+        let get = |h: &str| self.headers.get(h).and_then(|v| v.parse::<i64>().ok());
+        match (get(SOURCE_PARTITION), get(SOURCE_OFFSET)) {
+            (Some(p), Some(o)) => (p as i32, o),
+            _ => panic!("a dead letter without its source position: {:?}", self.headers),
+        }
+    }
+
+    pub fn origin(&self) -> &str {
+        self.headers.get(ORIGIN).map_or("", String::as_str)
+    }
 }
 
 fn consumer(brokers: &str, group: &str) -> BaseConsumer {
@@ -30,35 +48,95 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> 
     tokio::task::spawn_blocking(f).await.expect("blocking Kafka call")
 }
 
-/// Reads the test's dead-letter topic until `want` records arrived (or a minute passed)
-/// and returns what it read; the caller asserts the count.
-pub async fn read_dead_letters(env: &TestEnv, want: usize) -> Vec<DeadLetter> {
-    let (brokers, group, topic) = (env.brokers.clone(), format!("{}-reader", env.group), format!("{}.dlq", env.topic));
-    blocking(move || {
-        let c = consumer(&brokers, &group);
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&topic, 0, Offset::Beginning).unwrap();
-        c.assign(&tpl).unwrap();
-        let mut out = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while out.len() < want && Instant::now() < deadline {
-            if let Some(Ok(m)) = c.poll(Duration::from_millis(500)) {
-                let headers = m
-                    .headers()
-                    .map(|hs| {
-                        hs.iter()
-                            .map(|h| {
-                                (h.key.to_string(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned())
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                out.push(DeadLetter { payload: m.payload().map(<[u8]>::to_vec), headers });
-            }
+/// Every record of `topic` up to its end, per partition: (partition, offset, key,
+/// payload, headers). The end is the high watermark once at least `at_least` records
+/// are there (waiting up to a minute for them), read again after reaching it until it
+/// stays put, so a record that lands while the others are read is seen too.
+fn read_to_end(brokers: &str, group: &str, topic: &str, at_least: usize) -> Vec<RawRecord> {
+    let c = consumer(brokers, group);
+    let timeout = Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ends = || -> BTreeMap<i32, (i64, i64)> {
+        match clickagg::source::partitions(&c, topic, timeout) {
+            Ok(parts) => parts.into_iter().map(|p| (p, c.fetch_watermarks(topic, p, timeout).unwrap())).collect(),
+            Err(_) => BTreeMap::new(), // not created yet: nothing in it
         }
-        out
-    })
-    .await
+    };
+    let mut marks = ends();
+    while marks.values().map(|(lo, hi)| (hi - lo) as usize).sum::<usize>() < at_least {
+        assert!(Instant::now() < deadline, "{topic}: fewer than {at_least} records within 60 s: {marks:?}");
+        std::thread::sleep(Duration::from_millis(200));
+        marks = ends();
+    }
+    let mut out: Vec<RawRecord> = Vec::new();
+    // The next offset to read, per partition; reading stops once a fresh look at the
+    // watermarks finds nothing past it.
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    loop {
+        let todo: BTreeMap<i32, (i64, i64)> = marks
+            .iter()
+            .map(|(&p, &(lo, hi))| (p, (next.get(&p).copied().unwrap_or(lo), hi)))
+            .filter(|(_, (from, hi))| from < hi)
+            .collect();
+        if todo.is_empty() {
+            return out;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for (&p, &(from, _)) in &todo {
+            tpl.add_partition_offset(topic, p, Offset::Offset(from)).unwrap();
+            next.insert(p, from);
+        }
+        c.assign(&tpl).unwrap();
+        while todo.iter().any(|(p, (_, hi))| next[p] < *hi) {
+            assert!(Instant::now() < deadline + Duration::from_secs(60), "{topic}: not read to {todo:?} in time");
+            let Some(m) = c.poll(Duration::from_millis(500)) else { continue };
+            let m = m.unwrap_or_else(|e| panic!("reading {topic}: {e}"));
+            let headers = m
+                .headers()
+                .map(|hs| {
+                    hs.iter()
+                        .map(|h| (h.key.to_string(), String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            next.insert(m.partition(), m.offset() + 1);
+            out.push(RawRecord {
+                partition: m.partition(),
+                offset: m.offset(),
+                key: m.key().map(<[u8]>::to_vec),
+                payload: m.payload().map(<[u8]>::to_vec),
+                headers,
+            });
+        }
+        marks = ends();
+    }
+}
+
+/// One record as read back by [`read_to_end`].
+struct RawRecord {
+    partition: i32,
+    offset: i64,
+    key: Option<Vec<u8>>,
+    payload: Option<Vec<u8>>,
+    headers: BTreeMap<String, String>,
+}
+
+/// Every letter in the test's dead-letter topic, read to its end once at least
+/// `at_least` are there. Callers compare the source positions they name with the
+/// records they expect letters for: a count alone would not see a letter for the wrong
+/// record, nor one too many.
+pub async fn read_dead_letters(env: &TestEnv, at_least: usize) -> Vec<DeadLetter> {
+    let (brokers, group, topic) = (env.brokers.clone(), format!("{}-reader", env.group), format!("{}.dlq", env.topic));
+    let records = blocking(move || read_to_end(&brokers, &group, &topic, at_least)).await;
+    records.into_iter().map(|r| DeadLetter { payload: r.payload, headers: r.headers }).collect()
+}
+
+/// The positions of the test's click topic whose record key satisfies `wanted`, read to
+/// the topic's end: where the records a test planted (such as the invalid ones) landed.
+pub async fn positions_of_keys(env: &TestEnv, wanted: impl Fn(&[u8]) -> bool) -> BTreeSet<(i32, i64)> {
+    let (brokers, group, topic) = (env.brokers.clone(), format!("{}-reader", env.group), env.topic.clone());
+    let records = blocking(move || read_to_end(&brokers, &group, &topic, 1)).await;
+    records.into_iter().filter(|r| r.key.as_deref().is_some_and(&wanted)).map(|r| (r.partition, r.offset)).collect()
 }
 
 /// The payload stored at a position of the test's click topic.

@@ -25,7 +25,7 @@ pub mod wait;
 
 pub use env::{redis_url, TestEnv, BIN};
 pub use http::metric_value;
-pub use kafka::{read_dead_letters, source_payload};
+pub use kafka::{positions_of_keys, read_dead_letters, source_payload};
 pub use process::Member;
 pub use stack::PrivateStack;
 pub use wait::{equals, wait_until};
