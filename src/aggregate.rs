@@ -308,6 +308,15 @@ impl Aggregator {
         flush
     }
 
+    /// The offset a cut of `partition` would commit now (`None`: nothing read of it).
+    pub fn commit_offset(&self, partition: i32) -> Option<i64> {
+        let state = self.partitions.get(&partition)?;
+        match &state.open {
+            Some(open) => Some(open.start),
+            None => state.next_start,
+        }
+    }
+
     /// Buckets held in memory across all batches (bounded by the pipeline).
     pub fn buckets_held(&self) -> usize {
         self.buckets_held

@@ -80,7 +80,11 @@ impl GroupContext {
     /// unavailable (the member cannot count safely without a plan). `None` when the
     /// member is shutting down or hit a fatal error: then nothing of these partitions
     /// is processed.
-    fn plan(&self, consumer: &BaseConsumer<Self>, partitions: &[i32]) -> Option<Vec<(Start, crate::pipeline::RecordedPins)>> {
+    fn plan(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        partitions: &[i32],
+    ) -> Option<Vec<(Start, crate::pipeline::RecordedPins)>> {
         let mut backoff = Backoff::new(self.max_backoff);
         loop {
             let planned =
@@ -252,10 +256,9 @@ impl Member {
                 check_topic_not_recreated(s, ch)
             })
             .await?;
-            let rules = until_done("checking the recorded dedup settings", backoff, &shutdown, || {
-                check_recorded_rules(s, ch)
-            })
-            .await?;
+            let rules =
+                until_done("checking the recorded dedup settings", backoff, &shutdown, || check_recorded_rules(s, ch))
+                    .await?;
             self.health.set_clickhouse(true);
             check_topic_config(s).await?;
             let mut cache = s.shared_cache()?;
@@ -331,6 +334,8 @@ impl Member {
             paused: &paused,
             holds: BTreeMap::new(),
             rewound: BTreeMap::new(),
+            max_backoff: s.pipeline.max_backoff,
+            shutdown: &shutdown,
             log_waits: RateLimiter::new(Duration::from_secs(5)),
             topic: &s.kafka.topic,
         };
@@ -377,6 +382,8 @@ struct Loop<'a> {
     holds: BTreeMap<i32, Option<crate::dedup::Secs>>,
     /// Partitions paused after a rewind, and when they resume (`Loop::rewind`).
     rewound: BTreeMap<i32, Instant>,
+    max_backoff: Duration,
+    shutdown: &'a CancellationToken,
     log_waits: RateLimiter,
     topic: &'a str,
 }
@@ -412,7 +419,11 @@ impl Loop<'_> {
                     let prepared = in_flight.pop_front().expect("checked");
                     metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
                     match answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))? {
-                        Ok(verdicts) if lost.is_none() => self.apply(prepared, verdicts).await?,
+                        Ok(verdicts) if lost.is_none() => {
+                            if let Some(l) = self.apply(prepared, verdicts).await? {
+                                lost = Some(l);
+                            }
+                        }
                         // After a loss, every batch is read again once the member started over.
                         Ok(_) => {}
                         Err(DedupError::Lost(l)) => {
@@ -524,7 +535,8 @@ impl Loop<'_> {
     async fn give_holds(&mut self) {
         let mut st = self.stages.lock().await;
         let (consumer, topic) = (self.consumer, self.topic);
-        let holds = st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
+        let holds =
+            st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
         if holds == self.holds {
             return;
         }
@@ -533,7 +545,10 @@ impl Loop<'_> {
                 let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
                 metrics::gauge!(t::DEDUP_HELD_PARTITIONS).set(lagging.len() as f64);
                 if !lagging.is_empty() {
-                    info!(?lagging, "partitions lag the wall clock: the dedup cache keeps the sightings they still need");
+                    info!(
+                        ?lagging,
+                        "partitions lag the wall clock: the dedup cache keeps the sightings they still need"
+                    );
                 }
                 self.holds = holds;
             }
@@ -543,15 +558,36 @@ impl Loop<'_> {
 
     /// Applies one batch's verdicts; falls back partitions the cache cannot decide, and
     /// hands a flush over when a batch completed.
-    async fn apply(&mut self, prepared: Prepared, verdicts: Vec<crate::dedup::Verdict>) -> Result<(), PipelineError> {
+    /// Returns what was found lost, when a fall-back found the cache gone.
+    async fn apply(
+        &mut self,
+        prepared: Prepared,
+        verdicts: Vec<crate::dedup::Verdict>,
+    ) -> Result<Option<Lost>, PipelineError> {
         let mut st = self.stages.lock().await;
         let applied = st.apply(prepared, verdicts);
-        for (p, why) in applied.fall_backs {
-            st.fall_back_to_private(self.consumer, p, why).await?;
-        }
         drop(st);
+        for (p, why) in applied.fall_backs {
+            // Transient trouble (a broker restarting, ClickHouse or Redis away) is waited
+            // out; the fall-back changes nothing until every look-up succeeded.
+            let mut backoff = Backoff::new(self.max_backoff);
+            loop {
+                let attempt = self.stages.lock().await.fall_back_to_private(self.consumer, p, why).await;
+                match attempt {
+                    Ok(()) => break,
+                    Err(PipelineError::Dedup(DedupError::Lost(l))) => return Ok(Some(l)),
+                    Err(e) if e.is_fatal() => return Err(e),
+                    Err(e) => {
+                        warn!(error = %e, partition = p, "re-reading a partition the cache cannot decide failed; retrying");
+                        if sleep_or_shutdown(backoff.next_delay(), self.shutdown).await.is_err() {
+                            return Err(PipelineError::ShutDown("re-reading a partition".into()));
+                        }
+                    }
+                }
+            }
+        }
         for (p, from) in applied.rewinds {
-            self.rewind(p, from)?;
+            self.rewind(p, from).await?;
         }
         let mut st = self.stages.lock().await;
         if st.has_complete_batches() && self.flusher.has_room() {
@@ -559,16 +595,26 @@ impl Loop<'_> {
             drop(st);
             self.flusher.send(job).await;
         }
-        Ok(())
+        Ok(None)
     }
 
     /// Reads `partition` again from `from` after a short pause: a sighting there waits
     /// until other partitions' dedup state is rebuilt from the log (their members are
     /// warming them up), and asking again at once would only spin.
-    fn rewind(&mut self, partition: i32, from: i64) -> Result<(), PipelineError> {
+    async fn rewind(&mut self, partition: i32, from: i64) -> Result<(), PipelineError> {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(self.topic, partition);
-        tokio::task::block_in_place(|| self.consumer.seek(self.topic, partition, Offset::Offset(from), SEEK_TIMEOUT))?;
+        // The reader was rewound already: the consumer must follow, or records would be
+        // skipped. A broker that is restarting is waited out.
+        let mut backoff = Backoff::new(self.max_backoff);
+        while let Err(e) = tokio::task::block_in_place(|| {
+            self.consumer.seek(self.topic, partition, Offset::Offset(from), SEEK_TIMEOUT)
+        }) {
+            warn!(error = %e, partition, from, "seeking back to a waiting sighting failed; retrying");
+            if sleep_or_shutdown(backoff.next_delay(), self.shutdown).await.is_err() {
+                return Err(PipelineError::ShutDown("seeking a partition back".into()));
+            }
+        }
         self.consumer.pause(&tpl)?;
         if self.log_waits.allow("wait", Instant::now()).is_some() {
             info!(partition, from, "waiting for other partitions' dedup state to be rebuilt from the log");

@@ -32,8 +32,8 @@ use tracing::{info, warn};
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::config::Settings;
 use crate::dedup::{
-    Checkpoint, Claim, ClaimBatch, ClaimMode, DedupError, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, SharedCache,
-    Sighting, Verdict,
+    Checkpoint, Claim, ClaimBatch, ClaimMode, DedupError, Fingerprint, PartitionClock, Pin, PrivateScope, Secs,
+    SharedCache, Sighting, Verdict,
 };
 use crate::flusher::Job;
 use crate::health::Health;
@@ -731,9 +731,9 @@ impl Stages {
         why: Distrust,
     ) -> Result<(), PipelineError> {
         let Some(reader) = self.readers.get(&partition) else { return Ok(()) };
-        let cut = self.agg.take_partitions(&[partition]);
-        let from = cut.commits.get(&partition).copied().unwrap_or(reader.count_from);
-        self.carried.merge(cut);
+        // Every look-up first, so that a failed one leaves everything as it was and the
+        // fall-back can simply be tried again.
+        let from = self.agg.commit_offset(partition).unwrap_or(reader.count_from);
         let n = self.agg.batch_offsets();
         let requested = BTreeMap::from([(partition, Some(from))]);
         let timeout = Duration::from_secs(10);
@@ -750,6 +750,11 @@ impl Stages {
         let resume = position::Resume { claimed: f.claimed, exact_from: f.exact_from };
         let start = position::private_start(partition, m, Some(resume));
         let pins = self.pins_from(partition, start.read_from).await?;
+        tokio::task::block_in_place(|| {
+            consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)
+        })?;
+        let cut = self.agg.take_partitions(&[partition]);
+        self.carried.merge(cut);
         warn!(
             partition,
             reason = why.as_str(),
@@ -763,9 +768,6 @@ impl Stages {
         self.generation += 1;
         self.health.status().reading(&start);
         self.readers.insert(partition, Reader::new(start, pins, self.generation));
-        tokio::task::block_in_place(|| {
-            consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)
-        })?;
         Ok(())
     }
 
@@ -776,7 +778,8 @@ impl Stages {
     pub async fn start_over<X: ConsumerContext>(&mut self, consumer: &impl Consumer<X>) -> Result<(), PipelineError> {
         let partitions: Vec<i32> = self.partitions().collect();
         self.carried.commits.clear();
-        let starts = tokio::task::block_in_place(|| Handle::current().block_on(self.plan_shared_starts(consumer, &partitions)))?;
+        let starts =
+            tokio::task::block_in_place(|| Handle::current().block_on(self.plan_shared_starts(consumer, &partitions)))?;
         let timeout = Duration::from_secs(10);
         for (start, _) in &starts {
             tokio::task::block_in_place(|| {
@@ -828,7 +831,12 @@ impl Stages {
 
     /// Loads the recorded pins of every reader that `records` take past what it holds:
     /// the next window of offsets. Retries while ClickHouse or Redis is unavailable.
-    pub async fn ensure_pins(&mut self, records: &[Record], shutdown: &CancellationToken, max_backoff: Duration) -> Result<(), PipelineError> {
+    pub async fn ensure_pins(
+        &mut self,
+        records: &[Record],
+        shutdown: &CancellationToken,
+        max_backoff: Duration,
+    ) -> Result<(), PipelineError> {
         let mut needed: BTreeMap<i32, i64> = BTreeMap::new();
         for r in records {
             if let Some(reader) = self.readers.get(&r.partition) {

@@ -42,10 +42,9 @@ pub async fn marks(
         let lookback = match near.1.get() {
             // Nothing stamped before it: everything before matters as much as it can.
             None => log_start,
-            Some(c) => sink
-                .clock_before_time(topic, p, b.low, near.0, c.saturating_sub(window))
-                .await?
-                .unwrap_or(log_start),
+            Some(c) => {
+                sink.clock_before_time(topic, p, b.low, near.0, c.saturating_sub(window)).await?.unwrap_or(log_start)
+            }
         };
         let lookback = if lookback.0 > near.0 { near } else { lookback };
         out.insert(p, Marks { boundary: b.boundary, near, lookback });

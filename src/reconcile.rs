@@ -96,7 +96,11 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
     let marks = crate::planner::marks(&sink, &s.kafka.topic, &at, window).await?;
     let read = Ranges {
-        partitions: scan.partitions.iter().map(|(&p, &(start, end))| (p, (marks[&p].lookback.0.min(start), end))).collect(),
+        partitions: scan
+            .partitions
+            .iter()
+            .map(|(&p, &(start, end))| (p, (marks[&p].lookback.0.min(start), end)))
+            .collect(),
     };
     info!(records = scan.records(), warmup = read.records() - scan.records(), "reconcile: scanning the topic");
 

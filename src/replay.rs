@@ -136,7 +136,7 @@ pub struct Plan {
 }
 
 /// The offsets a replay counts, and each partition's log start, from the broker.
-fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Ranges, BTreeMap<i32, i64>)> {
+pub fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Ranges, BTreeMap<i32, i64>)> {
     let consumer: BaseConsumer = source::lookup_consumer(&s.kafka)?;
     let topic = &s.kafka.topic;
     let timeout = Duration::from_secs(15);
@@ -211,9 +211,12 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
     })
     .await?;
-    let history = crate::pipeline::until_done("reading the recorded dedup settings", s.pipeline.max_backoff, &shutdown, || async {
-        Ok(ch.register_rules(&s.kafka.topic, &s.rules(), None).await?)
-    })
+    let history = crate::pipeline::until_done(
+        "reading the recorded dedup settings",
+        s.pipeline.max_backoff,
+        &shutdown,
+        || async { Ok(ch.register_rules(&s.kafka.topic, &s.rules(), None).await?) },
+    )
     .await?;
     let settings = s.clone();
     let (counted, lows) = tokio::task::spawn_blocking(move || counted_ranges(&settings, &from, to)).await??;
@@ -299,11 +302,18 @@ async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap
 }
 
 /// Reads one plan through the stages and the flusher (no commits) to its end.
-async fn run_plan(s: &Settings, sink: &Sink, plan: Plan, args: &ReplayArgs, shutdown: &CancellationToken) -> Result<Summary> {
+async fn run_plan(
+    s: &Settings,
+    sink: &Sink,
+    plan: Plan,
+    args: &ReplayArgs,
+    shutdown: &CancellationToken,
+) -> Result<Summary> {
     let Plan { starts, counted: ranges, read } = plan;
     info!(ranges = ?ranges.partitions, records = ranges.records(), warmup = read.records() - ranges.records(), "replay planned");
     // Pins are loaded a window at a time as the readers advance (`Stages::ensure_pins`).
-    let with_pins: Vec<(Start, RecordedPins)> = starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect();
+    let with_pins: Vec<(Start, RecordedPins)> =
+        starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect();
     let dead_letters = if s.dead_letter.enabled && !args.no_dead_letters {
         let topic = s.dead_letter_topic();
         source::ensure_topic(&s.kafka, &topic, 1).await?;

@@ -83,11 +83,8 @@ async fn change(s: &Settings, sink: &Sink) -> Result<ExitCode> {
     // From where each partition's next member will count: the batch boundary at or below
     // its committed offset (or where a member would start without one).
     let n = s.batch_offsets();
-    let effective: BTreeMap<i32, i64> = view
-        .partitions
-        .iter()
-        .map(|(&p, o)| (p, position::boundary(n, o.log_start, o.log_end, o.committed)))
-        .collect();
+    let effective: BTreeMap<i32, i64> =
+        view.partitions.iter().map(|(&p, o)| (p, position::boundary(n, o.log_start, o.log_end, o.committed))).collect();
     let version = latest.version + 1;
     let id = topic_id.or_else(|| latest.topic_id.clone()).unwrap_or_default();
     sink.record_rules(&topic, version, &ours, &effective, &id).await?;

@@ -787,7 +787,8 @@ impl Sink {
     /// Records the Kafka ID of `topic` (as a settings row of version 0, which holds no
     /// settings).
     pub async fn record_topic_id(&self, topic: &str, id: &str) -> Result<(), SinkError> {
-        let sql = "INSERT INTO clickagg_settings (topic, version, rules, effective, topic_id) VALUES (?, 0, '', '{}', ?)";
+        let sql =
+            "INSERT INTO clickagg_settings (topic, version, rules, effective, topic_id) VALUES (?, 0, '', '{}', ?)";
         self.timed(self.client.query(sql).bind(topic).bind(id).execute()).await
     }
 
@@ -819,7 +820,10 @@ impl Sink {
                 continue;
             }
             let bad = |what: &str, e: serde_json::Error| {
-                SinkError::Fatal(format!("clickagg_settings of {topic:?}, version {}: unreadable {what}: {e}", r.version))
+                SinkError::Fatal(format!(
+                    "clickagg_settings of {topic:?}, version {}: unreadable {what}: {e}",
+                    r.version
+                ))
             };
             history.first_age_secs.get_or_insert(r.age_secs);
             history.versions.push(RulesVersion {

@@ -115,7 +115,11 @@ unsafe fn header_pairs(headers: *const rdkafka::bindings::rd_kafka_headers_t) ->
 
 /// The high watermark of `partition` as the consumer last heard it from the broker (no
 /// request is sent): whether a reader is caught up, cheaply.
-pub fn cached_high_watermark<X: ConsumerContext>(consumer: &impl Consumer<X>, topic: &str, partition: i32) -> Option<i64> {
+pub fn cached_high_watermark<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
+    topic: &str,
+    partition: i32,
+) -> Option<i64> {
     let topic = std::ffi::CString::new(topic).ok()?;
     let (mut low, mut high) = (-1i64, -1i64);
     // SAFETY: the client pointer is live as long as `consumer`; librdkafka only reads the
@@ -426,9 +430,7 @@ pub async fn topic_configs(k: &KafkaSettings, topic: &str) -> Result<BTreeMap<St
         .await
         .map_err(|_| KafkaError::AdminOp(RDKafkaErrorCode::RequestTimedOut))??;
     let resource: Option<ConfigResource> = results.into_iter().next().and_then(|r| r.ok());
-    Ok(resource
-        .map(|r| r.entries.into_iter().filter_map(|e| Some((e.name, e.value?))).collect())
-        .unwrap_or_default())
+    Ok(resource.map(|r| r.entries.into_iter().filter_map(|e| Some((e.name, e.value?))).collect()).unwrap_or_default())
 }
 
 /// A throwaway consumer for metadata and watermark look-ups.

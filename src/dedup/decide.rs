@@ -307,7 +307,11 @@ mod tests {
         assert_eq!(decide_shared(&mut e, at(0, 31, 211), upto(30), live(), false, true, W), Verdict::First);
         assert_eq!(e, vec![chain(0, 31, true, 211)], "a new chain");
         let mut none = Vec::new();
-        assert_eq!(decide_shared(&mut none, at(0, 0, 0), None, live(), false, true, W), Verdict::First, "nothing read yet");
+        assert_eq!(
+            decide_shared(&mut none, at(0, 0, 0), None, live(), false, true, W),
+            Verdict::First,
+            "nothing read yet"
+        );
     }
 
     #[test]
@@ -318,7 +322,10 @@ mod tests {
         // Before the chain: a window separates it from the chain, and nothing more is known.
         assert_eq!(decide_shared(&mut e, at(0, 5, 30), upto(20), live(), false, true, W), Verdict::Undecidable);
         // A re-read that finds no chain cannot tell a lost entry from a click never seen.
-        assert_eq!(decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), false, true, W), Verdict::Undecidable);
+        assert_eq!(
+            decide_shared(&mut Vec::new(), at(0, 5, 30), upto(20), live(), false, true, W),
+            Verdict::Undecidable
+        );
         assert_eq!(e, vec![chain(0, 10, true, 100)], "re-reads change nothing");
         // Below where a rebuilt cache is exact from: it may lack sightings before.
         let rebuilt = Some(Frontier { claimed: 20, exact_from: 12 });
@@ -374,7 +381,11 @@ mod tests {
         assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, false, true, W), Verdict::CrossDuplicate);
         assert_eq!(e, vec![chain(0, 7, false, 1_040)]);
         assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), pinned, false, true, W), Verdict::CrossDuplicate);
-        assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), false, true, W), Verdict::Undecidable, "pin lost");
+        assert_eq!(
+            decide_shared(&mut e, at(0, 7, 1_040), upto(7), live(), false, true, W),
+            Verdict::Undecidable,
+            "pin lost"
+        );
     }
 
     #[test]

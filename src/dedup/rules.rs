@@ -54,7 +54,11 @@ impl Rules {
             format!("a key with id {}", recorded.fingerprint_key_id),
         );
         check("dedup.shards", self.shards.to_string(), recorded.shards.to_string());
-        check("validation.max_payload_bytes", self.max_payload_bytes.to_string(), recorded.max_payload_bytes.to_string());
+        check(
+            "validation.max_payload_bytes",
+            self.max_payload_bytes.to_string(),
+            recorded.max_payload_bytes.to_string(),
+        );
         check("validation.max_click_id_len", self.max_click_id_len.to_string(), recorded.max_click_id_len.to_string());
         check("validation.max_future_skew", secs(self.max_future_skew_secs), secs(recorded.max_future_skew_secs));
         check("validation.max_lateness", secs(self.max_lateness_secs), secs(recorded.max_lateness_secs));

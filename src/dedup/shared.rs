@@ -484,7 +484,8 @@ impl SharedCache {
                 for g in 1..self.groups {
                     self.set_ns(g, &candidate).await?;
                 }
-                let open = redis::cmd("FCALL").arg(&self.functions.open).arg(1).arg(self.ns_key(0)).arg(&candidate).clone();
+                let open =
+                    redis::cmd("FCALL").arg(&self.functions.open).arg(1).arg(self.ns_key(0)).arg(&candidate).clone();
                 let winner: String = self.query(open, 0).await?;
                 if winner != candidate {
                     for g in 1..self.groups {
@@ -763,9 +764,8 @@ impl SharedCache {
                 expect.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             }
         }
-        let calls: Vec<redis::Cmd> = (0..self.groups)
-            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect))
-            .collect();
+        let calls: Vec<redis::Cmd> =
+            (0..self.groups).map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect)).collect();
         let replies = self.run_claims(calls).await?;
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
         let mut unready = std::collections::BTreeSet::new();
@@ -773,7 +773,11 @@ impl SharedCache {
             let (status, codes, detail) = reply;
             if status == "LOST" {
                 let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
-                return Err(DedupError::Lost(Lost { group: g as u32, why: why.to_string(), detail: detail.to_string() }));
+                return Err(DedupError::Lost(Lost {
+                    group: g as u32,
+                    why: why.to_string(),
+                    detail: detail.to_string(),
+                }));
             }
             if codes.len() != members.len() {
                 return Err(DedupError::Fatal(format!("{} verdicts for {} claims", codes.len(), members.len())));
@@ -971,7 +975,11 @@ impl SharedCache {
             if let Value::Array(parts) = reply {
                 let detail: String = parts.get(2).and_then(|v| redis::from_redis_value_ref(v).ok()).unwrap_or_default();
                 let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
-                return Err(DedupError::Lost(Lost { group: g as u32, why: why.to_string(), detail: detail.to_string() }));
+                return Err(DedupError::Lost(Lost {
+                    group: g as u32,
+                    why: why.to_string(),
+                    detail: detail.to_string(),
+                }));
             }
         }
         Ok(())

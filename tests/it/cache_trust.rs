@@ -81,7 +81,13 @@ async fn half_counted(name: &str, seed: u64) -> (TestEnv, BTreeMap<BucketKey, u6
 /// A setting that shapes decisions, changed by an operator: refused at start, naming the
 /// setting and the recorded value; then changed through `clickagg settings change`, after
 /// which the group counts exactly.
-async fn a_changed_setting_is_refused_then_exact_after_the_procedure(name: &str, seed: u64, var: &str, value: &str, setting: &str) {
+async fn a_changed_setting_is_refused_then_exact_after_the_procedure(
+    name: &str,
+    seed: u64,
+    var: &str,
+    value: &str,
+    setting: &str,
+) {
     let (env, truth) = half_counted(name, seed).await;
     let changed = [(var, value)];
     let mut refused = env.spawn("changed", &["run"], &changed);
@@ -224,8 +230,7 @@ async fn an_aborted_transaction_stamped_30_days_ahead_then_kill9_and_a_restart_c
     // A transaction of clicks stamped 30 days ahead, aborted: a read_committed reader never
     // sees it, but the broker's time index does.
     let ahead = t0 + 30 * 86_400_000;
-    env.produce_aborted(&(0..50).map(|i| click(&format!("aborted-{i}"), 9, ahead + i, 0)).collect::<Vec<_>>())
-        .await;
+    env.produce_aborted(&(0..50).map(|i| click(&format!("aborted-{i}"), 9, ahead + i, 0)).collect::<Vec<_>>()).await;
     // More clicks after it, so that the committed boundary passes the aborted records.
     let more: Vec<Planned> = (0..300).map(|i| click(&format!("m-{i}"), 3, t0 + 1_000 + i, (i % 2) as i32)).collect();
     env.send(&more, 2, None).await;
@@ -244,7 +249,8 @@ async fn an_aborted_transaction_stamped_30_days_ahead_then_kill9_and_a_restart_c
     m.kill9().await;
     // Retries of every earlier click and new clicks: after the restart the partition clock
     // must be where the committed records left it, not 30 days ahead.
-    let mut second: Vec<Planned> = (0..300).map(|i| click(&format!("c-{i}"), 1, t0 + 5_000 + i, (i % 2) as i32)).collect();
+    let mut second: Vec<Planned> =
+        (0..300).map(|i| click(&format!("c-{i}"), 1, t0 + 5_000 + i, (i % 2) as i32)).collect();
     second.extend((0..100).map(|i| click(&format!("n-{i}"), 2, t0 + 5_000 + i, (i % 2) as i32)));
     env.send(&second, 2, None).await;
     let mut restarted = env.spawn_member("restarted");
@@ -326,10 +332,8 @@ async fn a_topic_deleted_and_recreated_under_the_same_name_is_refused() {
     // once it holds more records than the old one did.
     env.delete_topic().await;
     let second: Vec<Planned> = (0..80).map(|i| click(&format!("new-{i}"), 2, t0 + 1_000 + i, 0)).collect();
-    wait_until("the topic is recreated", Duration::from_secs(60), || async {
-        env.create_topic_if_absent(1).await
-    })
-    .await;
+    wait_until("the topic is recreated", Duration::from_secs(60), || async { env.create_topic_if_absent(1).await })
+        .await;
     env.send(&second, 1, None).await;
     let mut refused = env.spawn_member("new");
     let code = refused.wait(Duration::from_secs(120)).await;

@@ -49,7 +49,15 @@ impl Model {
                 let f = group.frontier.get(&s.partition).map(|&(claimed, exact_from)| Frontier { claimed, exact_from });
                 let reread = f.is_some_and(|f| s.offset <= f.claimed);
                 let cached = reread && group.pins.contains(&(s.partition, s.offset));
-                let v = decide_shared(group.entries.entry(c.fingerprint.0).or_default(), s, f, c.mode, cached, true, WINDOW);
+                let v = decide_shared(
+                    group.entries.entry(c.fingerprint.0).or_default(),
+                    s,
+                    f,
+                    c.mode,
+                    cached,
+                    true,
+                    WINDOW,
+                );
                 if c.mode.pin.is_none() && v.pin().is_some() && !reread {
                     group.pins.insert((s.partition, s.offset));
                 }
