@@ -14,7 +14,7 @@
 //! ends the task and stops the member.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,7 +27,7 @@ use crate::aggregate::Flush;
 use crate::dead_letter::DeadLetters;
 use crate::dedup::SharedCache;
 use crate::health::Health;
-use crate::pipeline::{Backoff, FatalSignal};
+use crate::retry::{FatalSignal, Retry, Retryable, Stopped};
 use crate::sink::{Sink, SinkError, Writer};
 use crate::source::Record;
 use crate::telemetry::{self as t, RateLimiter};
@@ -86,7 +86,7 @@ struct Shared {
     /// was lost must not commit it.
     owned: Mutex<BTreeSet<i32>>,
     /// Set when the drain timed out: nothing more is written or committed.
-    abandoned: AtomicBool,
+    abandon: tokio_util::sync::CancellationToken,
     /// Bumped by [`Flusher::fence`]: a job handed over before writes its rows but
     /// commits nothing.
     fence: AtomicU64,
@@ -102,7 +102,7 @@ impl Flusher {
         let shared = Arc::new(Shared {
             buckets: AtomicUsize::new(0),
             owned: Mutex::new(BTreeSet::new()),
-            abandoned: AtomicBool::new(false),
+            abandon: tokio_util::sync::CancellationToken::new(),
             fence: AtomicU64::new(0),
             rows_flushed: AtomicUsize::new(0),
         });
@@ -148,7 +148,7 @@ impl Flusher {
 
     /// Nothing more is written or committed (the drain timed out, or a fatal error).
     pub fn abandon(&self) {
-        self.shared.abandoned.store(true, Ordering::Relaxed);
+        self.shared.abandon.cancel();
     }
 
     /// Minute buckets handed over and not durable yet.
@@ -177,7 +177,7 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
             Message::Job(job, fence) => (job, fence),
         };
         let (job, fence) = job;
-        if shared.abandoned.load(Ordering::Relaxed) {
+        if shared.abandon.is_cancelled() {
             shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
             continue;
         }
@@ -186,7 +186,7 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
             Ok(true) => debug!("a job cut before the dedup cache was lost: rows written, nothing committed"),
             Ok(false) => {} // abandoned: the job is not durable, nothing is committed
             Err(e) => {
-                shared.abandoned.store(true, Ordering::Relaxed);
+                shared.abandon.cancel();
                 c.fatal.raise(e);
             }
         }
@@ -198,30 +198,36 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
 async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &RateLimiter) -> Result<bool, String> {
     let f = &job.flush;
     let span = info_span!("flush", rows = f.rows.len(), pins = f.pins.len(), dead_letters = job.dead_letters.len(), commits = ?f.commits);
-    let mut backoff = Backoff::new(c.max_backoff);
+    // An abandoned flusher (a drain that timed out) stops waiting; a shutdown alone lets
+    // the queued flushes finish: that is the drain.
+    let mut retry = Retry::new(c.max_backoff, &shared.abandon);
+    // No retry fixes a fatal error (no WRITE on the topic, bad credentials, a missing
+    // table): stop and say what to change.
+    let stopped = |s: Stopped<String>| match s {
+        Stopped::Fatal(e) => Err(e),
+        Stopped::ShutDown => Ok(false),
+    };
     async {
         if let Some(dl) = &mut c.dead_letters {
             let rejected: Vec<&Record> = job.dead_letters.iter().collect();
             loop {
-                match dl.send(&rejected).await {
-                    Ok(_) => break,
-                    // No retry fixes it (no WRITE on the topic, bad credentials): stop and say what to change.
-                    Err(e) if e.is_fatal() => return Err(e.to_string()),
-                    Err(e) => {
-                        metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
-                        if log_limit.allow("dead_letter", Instant::now()).is_some() {
-                            warn!(error = %e, topic = dl.topic(), "producing dead letters failed; retrying with a new producer");
-                        }
-                        if let Err(e) = dl.renew() {
-                            warn!(error = %e, "could not create a dead-letter producer");
-                        }
-                        if !pause(&mut backoff, shared).await {
-                            return Ok(false);
-                        }
+                let Err(e) = dl.send(&rejected).await else { break };
+                let failed = Failed { fatal: e.is_fatal(), message: e.to_string() };
+                let topic = dl.topic().to_string();
+                let transient = |e: &Failed| {
+                    metrics::counter!(t::KAFKA_ERRORS, "op" => "dead_letter").increment(1);
+                    if log_limit.allow("dead_letter", Instant::now()).is_some() {
+                        warn!(error = %e, %topic, "producing dead letters failed; retrying with a new producer");
                     }
+                };
+                if let Err(s) = retry.after(failed, transient).await {
+                    return stopped(s.map(|f| f.message));
+                }
+                if let Err(e) = dl.renew() {
+                    warn!(error = %e, "could not create a dead-letter producer");
                 }
             }
-            backoff.reset();
+            retry.reset();
         }
         loop {
             let started = Instant::now();
@@ -241,16 +247,18 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
                     debug!(elapsed_ms = started.elapsed().as_millis() as u64, "flushed");
                     return Ok(true);
                 }
-                Err(e) if e.is_fatal() => return Err(SinkError::to_string(&e)),
                 Err(e) => {
-                    c.health.set_clickhouse(false);
-                    metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
-                    metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
-                    if log_limit.allow("clickhouse", Instant::now()).is_some() {
-                        warn!(error = %e, "flush failed; keeping the rows and retrying");
-                    }
-                    if !pause(&mut backoff, shared).await {
-                        return Ok(false);
+                    let health = &c.health;
+                    let transient = |e: &SinkError| {
+                        health.set_clickhouse(false);
+                        metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
+                        metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
+                        if log_limit.allow("clickhouse", Instant::now()).is_some() {
+                            warn!(error = %e, "flush failed; keeping the rows and retrying");
+                        }
+                    };
+                    if let Err(s) = retry.after(e, transient).await {
+                        return stopped(s.map(|e| e.to_string()));
                     }
                 }
             }
@@ -260,11 +268,22 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
     .await
 }
 
-/// Waits out one backoff step; `false` once the flusher is abandoned (a drain that
-/// timed out). A shutdown alone lets the queued flushes finish: that is the drain.
-async fn pause(backoff: &mut Backoff, shared: &Shared) -> bool {
-    tokio::time::sleep(backoff.next_delay()).await;
-    !shared.abandoned.load(Ordering::Relaxed)
+/// A failure of one step of a flush, as the retry sees it.
+struct Failed {
+    fatal: bool,
+    message: String,
+}
+
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl Retryable for Failed {
+    fn is_fatal(&self) -> bool {
+        self.fatal
+    }
 }
 
 /// Commits what the durable job allows, for the partitions still ours, and records how
@@ -283,7 +302,7 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
     }
     c.health.status().flushed(commits.keys().copied(), &job.freshness, now);
     let Some(committer) = &c.committer else { return };
-    if commits.is_empty() || shared.abandoned.load(Ordering::Relaxed) {
+    if commits.is_empty() || shared.abandon.is_cancelled() {
         return;
     }
     match committer(&commits, job.commit_mode) {

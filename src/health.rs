@@ -61,13 +61,11 @@ impl RedisTrouble {
     /// Reads a Redis error: OOM (maxmemory reached with noeviction) and READONLY (the
     /// node became a replica, e.g. after a failover) are the two ways a reachable Redis
     /// refuses writes; anything else counts as unreachable.
-    pub fn of(error: &str) -> RedisTrouble {
-        if error.contains("OOM") || error.contains("maxmemory") {
-            RedisTrouble::OutOfMemory
-        } else if error.contains("READONLY") || error.contains("read only replica") {
-            RedisTrouble::ReadOnly
-        } else {
-            RedisTrouble::Unreachable
+    pub fn of(error: &redis::RedisError) -> RedisTrouble {
+        match error.code() {
+            Some("OOM") => RedisTrouble::OutOfMemory,
+            Some("READONLY") => RedisTrouble::ReadOnly,
+            _ => RedisTrouble::Unreachable,
         }
     }
 

@@ -45,6 +45,7 @@ pub mod produce;
 pub mod query;
 pub mod reconcile;
 pub mod replay;
+pub mod retry;
 pub mod settings_cmd;
 pub mod sink;
 pub mod source;

@@ -37,10 +37,9 @@ use crate::dead_letter::DeadLetters;
 use crate::dedup::{Claimer, DedupError, Lost, Recovery, Verdicts};
 use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{
-    sleep_or_shutdown, until_done, Backoff, Exit, FatalSignal, PipelineError, Prepared, Stages, StagesConfig,
-};
+use crate::pipeline::{stopped_while, until_done, Exit, PipelineError, Prepared, Stages, StagesConfig};
 use crate::position::Start;
+use crate::retry::{FatalSignal, Retry, Stopped};
 use crate::sink::{Sink, Writer};
 use crate::source::{self, Record};
 use crate::telemetry::{self as t, RateLimiter};
@@ -85,32 +84,31 @@ impl GroupContext {
         consumer: &BaseConsumer<Self>,
         partitions: &[i32],
     ) -> Option<Vec<(Start, crate::pipeline::RecordedPins)>> {
-        let mut backoff = Backoff::new(self.max_backoff);
+        let mut retry = Retry::new(self.max_backoff, &self.shutdown);
         loop {
             let planned =
                 self.block_on(async { self.stages.lock().await.plan_shared_starts(consumer, partitions).await });
-            match planned {
+            let e = match planned {
                 Ok(starts) => return Some(starts),
-                Err(e) if e.is_fatal() => {
+                Err(e) => e,
+            };
+            let kafka = matches!(e, PipelineError::Kafka(_));
+            let transient = |e: &PipelineError| warn!(error = %e, ?partitions, "cannot plan where the assigned partitions start yet; retrying");
+            match self.block_on(retry.after(e, transient)) {
+                Ok(()) => {}
+                Err(Stopped::Fatal(e)) => {
                     self.fatal.raise(format!("planning the start of partitions {partitions:?}: {e}"));
                     return None;
                 }
-                Err(e) => {
-                    warn!(error = %e, ?partitions, "cannot plan where the assigned partitions start yet; retrying");
-                    if self.block_on(sleep_or_shutdown(backoff.next_delay(), &self.shutdown)).is_err() {
-                        return None;
-                    }
-                    if matches!(e, PipelineError::Kafka(_)) {
-                        // The offset look-ups go to each partition's leader as the client's
-                        // metadata names it, and nothing refreshes that metadata for
-                        // partitions not fetched yet: after a leader died it answered
-                        // "unknown partition" for a minute (cluster test). A metadata
-                        // request updates it.
-                        let _ = tokio::task::block_in_place(|| {
-                            consumer.fetch_metadata(Some(&self.topic), Duration::from_secs(5))
-                        });
-                    }
-                }
+                Err(Stopped::ShutDown) => return None,
+            }
+            if kafka {
+                // The offset look-ups go to each partition's leader as the client's
+                // metadata names it, and nothing refreshes that metadata for partitions
+                // not fetched yet: after a leader died it answered "unknown partition" for
+                // a minute (cluster test). A metadata request updates it.
+                let _ =
+                    tokio::task::block_in_place(|| consumer.fetch_metadata(Some(&self.topic), Duration::from_secs(5)));
             }
         }
     }
@@ -274,7 +272,7 @@ impl Member {
             started => started?,
         };
         let sweeper = CancellationToken::new();
-        tokio::spawn(crate::dedup::shared::sweep_forever(
+        tokio::spawn(crate::dedup::sweeper::sweep_forever(
             cache.handle(),
             s.dedup_window(),
             s.dedup.max_record_lag,
@@ -505,7 +503,7 @@ impl Loop<'_> {
         warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
         self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
         self.flusher.fence();
-        let mut backoff = Backoff::new(max_backoff);
+        let mut retry = Retry::new(max_backoff, shutdown);
         loop {
             let attempt = async {
                 let mut st = self.stages.lock().await;
@@ -519,13 +517,10 @@ impl Loop<'_> {
             };
             match attempt.await {
                 Ok(()) => return Ok(()),
-                Err(e) if e.is_fatal() => return Err(e),
-                Err(e) => {
-                    warn!(error = %e, "starting over after the dedup cache was lost failed; retrying");
-                    if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                        return Err(PipelineError::ShutDown("rebuilding the dedup cache".into()));
-                    }
-                }
+                Err(e) => retry
+                    .after(e, |e| warn!(error = %e, "starting over after the dedup cache was lost failed; retrying"))
+                    .await
+                    .map_err(|stopped| stopped_while(stopped, "rebuilding the dedup cache"))?,
             }
         }
     }
@@ -570,19 +565,16 @@ impl Loop<'_> {
         for (p, why) in applied.fall_backs {
             // Transient trouble (a broker restarting, ClickHouse or Redis away) is waited
             // out; the fall-back changes nothing until every look-up succeeded.
-            let mut backoff = Backoff::new(self.max_backoff);
+            let mut retry = Retry::new(self.max_backoff, self.shutdown);
             loop {
                 let attempt = self.stages.lock().await.fall_back_to_private(self.consumer, p, why).await;
                 match attempt {
                     Ok(()) => break,
                     Err(PipelineError::Dedup(DedupError::Lost(l))) => return Ok(Some(l)),
-                    Err(e) if e.is_fatal() => return Err(e),
-                    Err(e) => {
-                        warn!(error = %e, partition = p, "re-reading a partition the cache cannot decide failed; retrying");
-                        if sleep_or_shutdown(backoff.next_delay(), self.shutdown).await.is_err() {
-                            return Err(PipelineError::ShutDown("re-reading a partition".into()));
-                        }
-                    }
+                    Err(e) => retry
+                        .after(e, |e| warn!(error = %e, partition = p, "re-reading a partition failed; retrying"))
+                        .await
+                        .map_err(|stopped| stopped_while(stopped, "re-reading a partition"))?,
                 }
             }
         }
@@ -606,14 +598,14 @@ impl Loop<'_> {
         tpl.add_partition(self.topic, partition);
         // The reader was rewound already: the consumer must follow, or records would be
         // skipped. A broker that is restarting is waited out.
-        let mut backoff = Backoff::new(self.max_backoff);
+        let mut retry = Retry::new(self.max_backoff, self.shutdown);
         while let Err(e) = tokio::task::block_in_place(|| {
             self.consumer.seek(self.topic, partition, Offset::Offset(from), SEEK_TIMEOUT)
         }) {
-            warn!(error = %e, partition, from, "seeking back to a waiting sighting failed; retrying");
-            if sleep_or_shutdown(backoff.next_delay(), self.shutdown).await.is_err() {
-                return Err(PipelineError::ShutDown("seeking a partition back".into()));
-            }
+            // Any seek error is worth another try: the partition is ours and assigned.
+            let e = PipelineError::Kafka(e);
+            let transient = |e: &PipelineError| warn!(error = %e, partition, from, "seeking back failed; retrying");
+            retry.after(e, transient).await.map_err(|stopped| stopped_while(stopped, "seeking a partition back"))?;
         }
         self.consumer.pause(&tpl)?;
         if self.log_waits.allow("wait", Instant::now()).is_some() {
@@ -694,7 +686,7 @@ async fn wait_for_redis(
     max_backoff: Duration,
     shutdown: &CancellationToken,
 ) -> Result<(), PipelineError> {
-    let mut backoff = Backoff::new(max_backoff);
+    let mut retry = Retry::new(max_backoff, shutdown);
     loop {
         let checked = async {
             cache.check_eviction_policy().await?;
@@ -702,13 +694,10 @@ async fn wait_for_redis(
         };
         match checked.await {
             Ok(()) => return Ok(()),
-            Err(e) if e.is_fatal() => return Err(e.into()),
-            Err(e) => {
-                warn!(error = %e, "waiting for Redis");
-                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                    return Err(PipelineError::ShutDown("reaching Redis".into()));
-                }
-            }
+            Err(e) => retry
+                .after(e, |e| warn!(error = %e, "waiting for Redis"))
+                .await
+                .map_err(|stopped| stopped_while(stopped.map(PipelineError::from), "reaching Redis"))?,
         }
     }
 }

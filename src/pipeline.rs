@@ -39,6 +39,7 @@ use crate::flusher::Job;
 use crate::health::Health;
 use crate::planner;
 use crate::position::{self, Scope, Start};
+use crate::retry::{self, Retry, Stopped};
 use crate::sink::{Sink, SinkError};
 use crate::source::{self, Record};
 use crate::telemetry::{self as t, RateLimiter};
@@ -58,6 +59,12 @@ pub enum PipelineError {
     /// Shut down (SIGTERM/SIGINT) while a step was still waiting to succeed.
     #[error("shut down before {0} succeeded")]
     ShutDown(String),
+}
+
+impl crate::retry::Retryable for PipelineError {
+    fn is_fatal(&self) -> bool {
+        PipelineError::is_fatal(self)
+    }
 }
 
 impl PipelineError {
@@ -80,30 +87,6 @@ pub enum Exit {
     /// The drain timeout passed first; nothing unflushed was committed, and the next
     /// owner re-reads the open batches.
     DrainTimedOut,
-}
-
-/// Exponential backoff between retries of one failing service.
-#[derive(Debug)]
-pub struct Backoff {
-    next: Duration,
-    max: Duration,
-}
-
-impl Backoff {
-    pub fn new(max: Duration) -> Backoff {
-        Backoff { next: Duration::from_millis(100), max }
-    }
-
-    /// The delay before the next attempt; doubles up to the maximum.
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.next;
-        self.next = (self.next * 2).min(self.max);
-        d
-    }
-
-    pub fn reset(&mut self) {
-        self.next = Duration::from_millis(100);
-    }
 }
 
 /// What a poll batch did, for metrics and for `replay`'s summary.
@@ -131,25 +114,6 @@ impl BatchStats {
         self.cross_partition += o.cross_partition;
         self.invalid += o.invalid;
         self.warmup += o.warmup;
-    }
-}
-
-/// A fatal condition reported from another task or a librdkafka callback to the loop.
-#[derive(Clone, Default)]
-pub struct FatalSignal {
-    token: CancellationToken,
-    message: Arc<std::sync::Mutex<Option<String>>>,
-}
-
-impl FatalSignal {
-    pub fn raise(&self, message: String) {
-        self.message.lock().expect("not poisoned").get_or_insert(message);
-        self.token.cancel();
-    }
-
-    pub async fn raised(&self) -> String {
-        self.token.cancelled().await;
-        self.message.lock().expect("not poisoned").clone().unwrap_or_default()
     }
 }
 
@@ -279,13 +243,6 @@ impl StagesConfig {
             dead_letters: s.dead_letter.enabled,
         }
     }
-}
-
-/// Why processing stopped before the poll batch was fully applied.
-#[derive(Debug)]
-pub enum Interrupted {
-    Shutdown,
-    Fatal(PipelineError),
 }
 
 /// One record of a poll batch on its way through the stages.
@@ -849,17 +806,14 @@ impl Stages {
         for (p, beyond) in needed {
             let from = self.readers[&p].pins.until + 1;
             let to = beyond.max(from + self.pins_window() - 1);
-            let mut backoff = Backoff::new(max_backoff);
+            let mut retry = Retry::new(max_backoff, shutdown);
             let loaded = loop {
                 match load_pins(&self.sink, self.cache.as_mut(), &self.topic, p, from, to).await {
                     Ok(pins) => break pins,
-                    Err(e) if e.is_fatal() => return Err(e),
-                    Err(e) => {
-                        warn!(error = %e, partition = p, "loading recorded cross-partition decisions failed; retrying");
-                        if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                            return Err(PipelineError::ShutDown("loading recorded decisions".into()));
-                        }
-                    }
+                    Err(e) => retry
+                        .after(e, |e| warn!(error = %e, partition = p, "loading recorded decisions failed; retrying"))
+                        .await
+                        .map_err(|stopped| stopped_while(stopped, "loading recorded decisions"))?,
                 }
             };
             if let Some(reader) = self.readers.get_mut(&p) {
@@ -944,37 +898,27 @@ async fn load_pins(
     Ok(pins)
 }
 
-/// Runs a start-up step until it succeeds. Transient failures — a service still
-/// coming up, a failover, on an older ClickHouse cluster another member's quorum insert
-/// in the way — are logged and retried with backoff; a fatal one, or a shutdown, ends it.
+/// Runs a step until it succeeds (`retry::until_done`). Transient failures — a service
+/// still coming up, a failover, on an older ClickHouse cluster another member's quorum
+/// insert in the way — are logged and retried with backoff; a fatal one, or a shutdown,
+/// ends it.
 pub async fn until_done<T, F, Fut>(
     what: &str,
     max_backoff: Duration,
     shutdown: &CancellationToken,
-    mut step: F,
+    step: F,
 ) -> Result<T, PipelineError>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = Result<T, PipelineError>>,
 {
-    let mut backoff = Backoff::new(max_backoff);
-    loop {
-        match step().await {
-            Ok(v) => return Ok(v),
-            Err(e) if e.is_fatal() => return Err(e),
-            Err(e) => {
-                warn!(error = %e, "{what} failed; retrying");
-                if sleep_or_shutdown(backoff.next_delay(), shutdown).await.is_err() {
-                    return Err(PipelineError::ShutDown(what.to_string()));
-                }
-            }
-        }
-    }
+    retry::until_done(what, max_backoff, shutdown, step).await.map_err(|stopped| stopped_while(stopped, what))
 }
 
-pub(crate) async fn sleep_or_shutdown(d: Duration, shutdown: &CancellationToken) -> Result<(), Interrupted> {
-    tokio::select! {
-        _ = shutdown.cancelled() => Err(Interrupted::Shutdown),
-        _ = tokio::time::sleep(d) => Ok(()),
+/// The error a retried step ends with: its fatal error, or a shutdown while `what` still failed.
+pub fn stopped_while(stopped: Stopped<PipelineError>, what: &str) -> PipelineError {
+    match stopped {
+        Stopped::Fatal(e) => e,
+        Stopped::ShutDown => PipelineError::ShutDown(what.to_string()),
     }
 }

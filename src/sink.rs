@@ -66,6 +66,12 @@ pub enum SinkError {
     Fatal(String),
 }
 
+impl crate::retry::Retryable for SinkError {
+    fn is_fatal(&self) -> bool {
+        SinkError::is_fatal(self)
+    }
+}
+
 impl SinkError {
     pub fn is_fatal(&self) -> bool {
         matches!(self, SinkError::Fatal(_))

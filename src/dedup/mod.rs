@@ -39,17 +39,20 @@
 //! Redis, offsets moved forward) first replays that stretch of the log into the cache
 //! without counting (a warm-up); see `pipeline`.
 
+pub mod cache;
+pub mod claimer;
 pub mod clock;
 pub mod decide;
 pub mod fingerprint;
 pub mod rules;
-pub mod shared;
+pub mod sweeper;
 
 #[cfg(test)]
 mod model;
 
+pub use cache::{Claim, ClaimBatch, DedupError, Lost, Recovery, RedisTarget, SharedCache, Wait};
+pub use claimer::{Claimer, Verdicts};
 pub use clock::{Checkpoint, PartitionClock, Secs, CLOCK_JUMP};
 pub use decide::{decide_shared, Chain, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
 pub use fingerprint::{Fingerprint, Fingerprinter};
 pub use rules::Rules;
-pub use shared::{Claim, ClaimBatch, Claimer, DedupError, Lost, Recovery, RedisTarget, SharedCache, Verdicts, Wait};

@@ -48,6 +48,7 @@ use siphasher::sip128::SipHasher13;
 use super::clock::Secs;
 use super::decide::{ClaimMode, Pin, Sighting, Verdict};
 use super::fingerprint::Fingerprint;
+use crate::health::RedisTrouble;
 use crate::position::CacheFrontier;
 
 const CLAIM_LUA: &str = include_str!("claim.lua");
@@ -78,9 +79,10 @@ pub struct ClaimBatch {
 #[derive(Debug, thiserror::Error)]
 pub enum DedupError {
     /// Redis is unreachable, slow, loading, out of memory, read-only, failing over, or
-    /// its replicas did not acknowledge the claims in time: retry with backoff.
-    #[error("Redis unavailable: {0}")]
-    Transient(String),
+    /// its replicas did not acknowledge the claims in time: retry with backoff. `trouble`
+    /// says which, classified once where the Redis error is read.
+    #[error("Redis unavailable: {message}")]
+    Transient { trouble: RedisTrouble, message: String },
     /// Retrying cannot help (bad credentials, missing ACL permission, a Redis without
     /// functions, a setting that can lose dedup state): stop with this message.
     #[error("Redis refused the dedup cache: {0}")]
@@ -130,6 +132,12 @@ pub enum Recovery {
     Renewed(String),
 }
 
+impl crate::retry::Retryable for DedupError {
+    fn is_fatal(&self) -> bool {
+        DedupError::is_fatal(self)
+    }
+}
+
 impl DedupError {
     fn classify(e: RedisError) -> DedupError {
         use redis::ServerErrorKind as S;
@@ -156,12 +164,25 @@ impl DedupError {
             _ if text.contains("cluster support disabled") => DedupError::Fatal(format!(
                 "{text} (redis.url names a Redis without cluster mode: unset redis.cluster)"
             )),
-            _ => DedupError::Transient(text),
+            _ => DedupError::Transient { trouble: RedisTrouble::of(&e), message: text },
         }
     }
 
     pub fn is_fatal(&self) -> bool {
         matches!(self, DedupError::Fatal(_))
+    }
+
+    /// A transient failure that is not Redis refusing writes.
+    fn unreachable(message: impl Into<String>) -> DedupError {
+        DedupError::Transient { trouble: RedisTrouble::Unreachable, message: message.into() }
+    }
+
+    /// Why Redis refuses claims, when it does so for a while.
+    pub fn trouble(&self) -> Option<RedisTrouble> {
+        match self {
+            DedupError::Transient { trouble, .. } => Some(*trouble),
+            _ => None,
+        }
     }
 
     pub fn is_lost(&self) -> bool {
@@ -645,7 +666,7 @@ impl SharedCache {
                         .await
                         .map_err(DedupError::classify)?;
                     let slots = SlotMap::parse(&reply)
-                        .ok_or_else(|| DedupError::Transient("an unreadable CLUSTER SLOTS reply".into()))?;
+                        .ok_or_else(|| DedupError::unreachable("an unreadable CLUSTER SLOTS reply"))?;
                     Conn::Cluster { conn, slots }
                 }
             };
@@ -893,7 +914,7 @@ impl SharedCache {
         if let Some(w) = wait {
             let fewest = acked.iter().map(|v| redis::from_redis_value_ref::<i64>(v).unwrap_or(0)).min().unwrap_or(0);
             if fewest < i64::from(w.replicas) {
-                return Err(DedupError::Transient(format!(
+                return Err(DedupError::unreachable(format!(
                     "claims acknowledged by {fewest} of the {} replicas redis.wait_replicas asks for within {:?} \
                      (redis.wait_timeout); claiming again",
                     w.replicas, w.timeout
@@ -1005,7 +1026,7 @@ impl SharedCache {
     }
 
     /// The lowest record time a lagging reader holds, if any.
-    async fn lowest_hold(&mut self) -> Result<Option<Secs>, DedupError> {
+    pub(super) async fn lowest_hold(&mut self) -> Result<Option<Secs>, DedupError> {
         let held: Vec<Secs> = self.query(redis::cmd("HVALS").arg(self.holds_key()).clone(), 0).await?;
         Ok(held.into_iter().min())
     }
@@ -1085,7 +1106,7 @@ impl SharedCache {
 
     /// After a full sweep cycle: the replaced namespace's remaining keys go, and with
     /// them the record that it exists.
-    async fn forget_previous(&mut self) -> Result<(), DedupError> {
+    pub(super) async fn forget_previous(&mut self) -> Result<(), DedupError> {
         let previous: Option<String> = self.query(redis::cmd("GET").arg(self.previous_ns_key()).clone(), 0).await?;
         let Some(prev) = previous else { return Ok(()) };
         // The shard hashes went with the walk; what is left are the frontiers, the x sets
@@ -1136,9 +1157,9 @@ impl SharedCache {
                         }
                     }
                 }
-                Err(DedupError::Transient(e)) => {
+                Err(e @ DedupError::Transient { .. }) => {
                     self.conn = None;
-                    return Err(DedupError::Transient(e));
+                    return Err(e);
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, %node, "cannot read Redis maxmemory-policy; make sure it is noeviction");
@@ -1151,154 +1172,5 @@ impl SharedCache {
     /// Round trip for readiness checks (every node of a cluster).
     pub async fn ping(&mut self) -> Result<(), DedupError> {
         self.each(vec![redis::cmd("PING")]).await.map(drop)
-    }
-}
-
-/// The garbage collector of the shared cache, run by every member: it walks all shards
-/// once per quarter of `max_record_lag` (starting at a random shard, so members spread
-/// out) and deletes entries whose last sighting is before [`sweep_cutoff`]: more than
-/// `window + max_record_lag` before the wall clock, and more than a window before what
-/// any lagging reader holds (`SharedCache::set_holds`). After each full walk the keys
-/// of a namespace a renewal replaced are gone too. Errors are logged and the walk goes
-/// on: a missed sweep only costs memory.
-pub async fn sweep_forever(
-    mut cache: SharedCache,
-    window: Duration,
-    max_record_lag: Duration,
-    shutdown: tokio_util::sync::CancellationToken,
-) {
-    use rand::Rng;
-    const TICK: Duration = Duration::from_secs(1);
-    let shards = cache.shards();
-    let cycle = (max_record_lag / 4).max(Duration::from_secs(60));
-    let per_tick = ((u64::from(shards) * TICK.as_millis() as u64).div_ceil(cycle.as_millis() as u64)).max(1) as u32;
-    let mut cursor = rand::rng().random_range(0..shards);
-    let mut ticker = tokio::time::interval(TICK);
-    let mut failures = 0u64;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        let end = (cursor + per_tick).min(shards);
-        let swept = async {
-            let held = cache.lowest_hold().await?;
-            let cutoff = sweep_cutoff(chrono::Utc::now().timestamp(), window, max_record_lag, held);
-            let removed = cache.sweep(cursor..end, cutoff).await?;
-            if end >= shards {
-                cache.forget_previous().await?;
-            }
-            Ok::<_, DedupError>(removed)
-        };
-        match swept.await {
-            Ok(removed) => metrics::counter!(crate::telemetry::DEDUP_SWEPT).increment(removed),
-            Err(e) => {
-                failures += 1;
-                if failures.is_power_of_two() {
-                    tracing::warn!(error = %e, failures, "sweeping the dedup cache failed; retrying next tick");
-                }
-            }
-        }
-        cursor = if end >= shards { 0 } else { end };
-    }
-}
-
-/// The record time before which the sweeper deletes sightings, at wall time `now` (s):
-/// a window and `max_record_lag` before the wall clock, or a window before the lowest
-/// record time a lagging reader holds, whichever is earlier. Every later sighting of a
-/// reader has a record time at or after the one it holds (the clock never goes back),
-/// so nothing within its window is collected however far behind it reads.
-pub fn sweep_cutoff(now: i64, window: Duration, max_record_lag: Duration, held: Option<Secs>) -> Secs {
-    let by_wall = now - (window + max_record_lag).as_secs() as i64;
-    let by_hold = held.map_or(i64::MAX, |h| i64::from(h) - window.as_secs() as i64 - 1);
-    by_wall.min(by_hold).clamp(0, i64::from(Secs::MAX)) as Secs
-}
-
-/// The claim task of a member: applies each poll batch's claims in the order they were
-/// handed over (the cache's decisions depend on that order), retrying while Redis is
-/// unavailable — dedup is never skipped — so the member can decode the next poll batch
-/// while one is in flight. The verdicts come back in the same order on the receiver
-/// `start` returns, one answer per batch (a batch without claims is answered at once,
-/// in its turn).
-pub struct Claimer {
-    // Unbounded: the member loop bounds what it hands over (two batches in flight,
-    // fewer than that reaching it while consumption is paused), and must never block
-    // here, or it would stop polling Kafka and be evicted from the group.
-    tx: tokio::sync::mpsc::UnboundedSender<ClaimBatch>,
-}
-
-/// The verdicts of the handed-over batches, in order.
-pub type Verdicts = tokio::sync::mpsc::Receiver<Result<Vec<Verdict>, DedupError>>;
-
-impl Claimer {
-    pub fn start(
-        mut cache: SharedCache,
-        max_backoff: Duration,
-        health: std::sync::Arc<crate::health::Health>,
-    ) -> (Claimer, Verdicts) {
-        use crate::telemetry as t;
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ClaimBatch>();
-        let (answer_tx, answers) = tokio::sync::mpsc::channel(4);
-        tokio::spawn(async move {
-            let log_limit = t::RateLimiter::new(Duration::from_secs(5));
-            // Per partition, the reader generation whose sighting had to wait: its later
-            // claims, already handed over, must not be decided before that sighting (the
-            // reader is rewound to it and claims them again under a new generation).
-            let mut waiting: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
-            while let Some(batch) = rx.recv().await {
-                let stale = |i: usize| {
-                    let p = batch.claims[i].sighting.partition;
-                    waiting.get(&p).is_some_and(|&g| batch.generations[i] <= g)
-                };
-                let (sent, held): (Vec<usize>, Vec<usize>) = (0..batch.claims.len()).partition(|&i| !stale(i));
-                for &i in &sent {
-                    waiting.remove(&batch.claims[i].sighting.partition);
-                }
-                let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
-                let mut backoff = crate::pipeline::Backoff::new(max_backoff);
-                let answer = loop {
-                    match cache.claim(&claims).await {
-                        Ok(v) => {
-                            health.set_claims_failing(None);
-                            let mut all = vec![Verdict::Wait; batch.claims.len()];
-                            for (&i, verdict) in sent.iter().zip(v) {
-                                if verdict == Verdict::Wait {
-                                    let p = batch.claims[i].sighting.partition;
-                                    let g = waiting.entry(p).or_insert(batch.generations[i]);
-                                    *g = (*g).max(batch.generations[i]);
-                                }
-                                all[i] = verdict;
-                            }
-                            debug_assert!(held.iter().all(|&i| all[i] == Verdict::Wait));
-                            break Ok(all);
-                        }
-                        Err(e) if e.is_fatal() || e.is_lost() => break Err(e),
-                        Err(e) => {
-                            // The member loop pauses consumption while this is set.
-                            let trouble = crate::health::RedisTrouble::of(&e.to_string());
-                            health.set_claims_failing(Some(trouble));
-                            metrics::counter!(t::REDIS_ERRORS, "kind" => trouble.label()).increment(1);
-                            metrics::counter!(t::REDIS_RETRIES).increment(1);
-                            if log_limit.allow("redis", std::time::Instant::now()).is_some() {
-                                tracing::warn!(error = %e, "dedup failed; retrying with backoff");
-                            }
-                            if answer_tx.is_closed() {
-                                return; // nobody waits any more (shutdown)
-                            }
-                            tokio::time::sleep(backoff.next_delay()).await;
-                        }
-                    }
-                };
-                if answer_tx.send(answer).await.is_err() {
-                    return;
-                }
-            }
-        });
-        (Claimer { tx }, answers)
-    }
-
-    /// Hands one poll batch's claims over.
-    pub fn claim(&self, batch: ClaimBatch) {
-        let _ = self.tx.send(batch);
     }
 }
