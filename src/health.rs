@@ -1,31 +1,16 @@
-//! What a member serves on `http.addr`: `/metrics` (Prometheus text), `/livez`,
-//! `/readyz`, and its status page `/` (`assets/status.html`, which polls
-//! `/status.json`, see `status`).
+//! How a member is doing, as flags every stage sets where it learns something: Redis
+//! and ClickHouse answering, claims failing and why, partitions assigned, and the
+//! status board (`status::board`). The HTTP server (`server`) reads them back for
+//! `/readyz` and the status page.
 //!
 //! Ready means: partitions assigned, and Redis and ClickHouse answered their last
 //! check. The pipeline flips the Redis and ClickHouse flags on every success and error
 //! it sees; a probe re-checks both every few seconds so an idle member notices too.
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::{header, StatusCode};
-use axum::response::Html;
-use axum::routing::get;
-use axum::Router;
-use metrics_exporter_prometheus::PrometheusHandle;
-use tokio_util::sync::CancellationToken;
-
-use crate::dedup::SharedCache;
-use crate::sink::Sink;
-use crate::status::{self, StatusBoard};
-use crate::telemetry as t;
-
-/// The status page, self-contained: the member's port may be all that is reachable.
-const STATUS_PAGE: &str = include_str!("../assets/status.html");
+use crate::status::board::StatusBoard;
 
 /// What `/readyz` and the status page report; shared by the pipeline, the flusher,
 /// the probe and the HTTP server.
@@ -79,7 +64,7 @@ impl RedisTrouble {
         }
     }
 
-    fn reason(self) -> &'static str {
+    pub fn reason(self) -> &'static str {
         match self {
             RedisTrouble::Unreachable => "redis unreachable",
             RedisTrouble::OutOfMemory => "redis out of memory: claims refused (raise maxmemory)",
@@ -143,74 +128,5 @@ impl Health {
         } else {
             Err(not)
         }
-    }
-}
-
-#[derive(Clone)]
-struct AppState {
-    health: Arc<Health>,
-    metrics: PrometheusHandle,
-}
-
-/// Binds `addr` and serves until `shutdown`; returns the bound address (port 0 picks one).
-pub async fn serve(
-    addr: SocketAddr,
-    health: Arc<Health>,
-    metrics: PrometheusHandle,
-    shutdown: CancellationToken,
-) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let app = Router::new()
-        .route("/livez", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics_text))
-        .route("/", get(|| async { Html(STATUS_PAGE) }))
-        .route("/status.json", get(status_json))
-        .with_state(AppState { health, metrics });
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        let served = axum::serve(listener, app).with_graceful_shutdown(shutdown.cancelled_owned()).await;
-        if let Err(e) = served {
-            tracing::error!(error = %e, "health server stopped");
-        }
-    });
-    Ok((bound, task))
-}
-
-async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
-    match s.health.readiness() {
-        Ok(()) => (StatusCode::OK, "ready\n".into()),
-        Err(reasons) => (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", reasons.join(", "))),
-    }
-}
-
-async fn metrics_text(State(s): State<AppState>) -> String {
-    // Computed when scraped, so it is never older than the scrape.
-    metrics::gauge!(t::READY).set(if s.health.readiness().is_ok() { 1.0 } else { 0.0 });
-    s.metrics.render()
-}
-
-async fn status_json(State(s): State<AppState>) -> ([(header::HeaderName, &'static str); 2], String) {
-    let snapshot = s.health.status().snapshot(s.health.readiness(), &s.metrics.render(), status::unix_now());
-    let body = serde_json::to_string(&snapshot).expect("plain data with string keys serializes");
-    ([(header::CONTENT_TYPE, "application/json"), (header::CACHE_CONTROL, "no-store")], body)
-}
-
-/// Re-checks Redis and ClickHouse every `every` until `shutdown`.
-pub async fn probe(
-    health: Arc<Health>,
-    mut redis: SharedCache,
-    clickhouse: Sink,
-    every: Duration,
-    shutdown: CancellationToken,
-) {
-    let mut ticker = tokio::time::interval(every);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
-        health.set_redis(redis.ping().await.is_ok());
-        health.set_clickhouse(clickhouse.ping().await.is_ok());
     }
 }

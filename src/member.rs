@@ -259,7 +259,7 @@ impl Member {
                     .await?;
             self.health.set_clickhouse(true);
             check_topic_config(s).await?;
-            let mut cache = s.shared_cache()?;
+            let mut cache = crate::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
             wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
             Ok::<_, PipelineError>((cache, rules))
         }
@@ -401,7 +401,7 @@ impl Loop<'_> {
         // in this order. Two at most: one being decided while the next is decoded.
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
-        let decoder = s.decoder();
+        let decoder = crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key);
         // Set when a claim found the dedup cache lost: no more batches are read until
         // those in flight are answered, then every partition starts over.
         let mut lost: Option<Lost> = None;

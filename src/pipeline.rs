@@ -227,7 +227,7 @@ pub struct StagesConfig {
     /// the latest took over.
     pub rules: Option<crate::sink::RulesHistory>,
     pub batch_offsets: BatchOffsets,
-    pub window: Duration,
+    pub window: Secs,
     pub max_record_lag: Duration,
     pub dead_letters: bool,
 }
@@ -238,7 +238,7 @@ impl StagesConfig {
             topic: s.kafka.topic.clone(),
             rules: None,
             batch_offsets: s.batch_offsets(),
-            window: s.dedup_window(),
+            window: s.rules().window(),
             max_record_lag: s.dedup.max_record_lag,
             dead_letters: s.dead_letter.enabled,
         }
@@ -307,7 +307,7 @@ impl Prepared {
 
 impl Stages {
     pub fn new(cfg: StagesConfig, cache: Option<SharedCache>, sink: Sink, health: Arc<Health>) -> Stages {
-        let window = cfg.window.as_secs().try_into().unwrap_or(Secs::MAX);
+        let window = cfg.window;
         Stages {
             topic: cfg.topic,
             agg: Aggregator::new(cfg.batch_offsets),

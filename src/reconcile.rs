@@ -93,7 +93,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
             (p, crate::planner::Boundary { boundary: n.start_of(start).max(lows[&p]), low: lows[&p], high: i64::MAX })
         })
         .collect();
-    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
+    let window = s.rules().window();
     let marks = crate::planner::marks(&sink, &s.kafka.topic, &at, window).await?;
     let read = Ranges {
         partitions: scan
@@ -108,13 +108,19 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     for (&p, &(start, end)) in &scan.partitions {
         pins.insert(p, sink.pins(&s.kafka.topic, p, start, end - 1).await?);
     }
-    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
+    let window = s.rules().window();
     let mut scope = PrivateScope::new(window);
     let mut clocks: BTreeMap<i32, PartitionClock> = marks.iter().map(|(&p, m)| (p, m.lookback.1)).collect();
     let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
     let (mut scanned, mut warmup) = (0u64, 0u64);
     let group = format!("{}-reconcile", s.kafka.group);
-    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.decoder(), s.pipeline.max_poll_records)?;
+    let mut reader = RangeReader::new(
+        &s.kafka,
+        &group,
+        &read,
+        crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key),
+        s.pipeline.max_poll_records,
+    )?;
     while let Some(batch) = reader.next_batch().await.context("reading the topic")? {
         for r in batch {
             let clock = clocks.entry(r.partition).or_default().tick(r.timestamp_ms);

@@ -279,7 +279,7 @@ async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap
         .iter()
         .map(|(&p, &(start, _))| (p, crate::planner::Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
         .collect();
-    let window = s.dedup_window().as_secs().try_into().unwrap_or(u32::MAX);
+    let window = s.rules().window();
     let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window).await?;
     let starts: Vec<Start> = marks.iter().map(|(&p, &m)| position::private_start(p, m, None)).collect();
     for st in &starts {
@@ -340,7 +340,13 @@ async fn run_plan(
     stages.assign(with_pins);
 
     let group = format!("{}-replay", s.kafka.group);
-    let mut reader = RangeReader::new(&s.kafka, &group, &read, s.decoder(), s.pipeline.max_poll_records)?;
+    let mut reader = RangeReader::new(
+        &s.kafka,
+        &group,
+        &read,
+        crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key),
+        s.pipeline.max_poll_records,
+    )?;
     let progress = Progress::new(&read);
     let mut last_flush = Instant::now();
     loop {

@@ -22,12 +22,6 @@ use crate::click::{decode_with, Click, Limits, Rejection};
 use crate::config::KafkaSettings;
 use crate::dedup::{Fingerprint, Fingerprinter};
 
-/// Consumer properties exactly-once depends on, set here and nowhere else: an override
-/// in `kafka.properties` is refused at start-up. `isolation.level` keeps aborted
-/// transactions out; the other two keep offsets moving only through our commits.
-pub const EXACTLY_ONCE_PROPERTIES: &[&str] =
-    &["isolation.level", "enable.auto.commit", "enable.auto.offset.store", "auto.commit.enable"];
-
 /// One consumed record, decoded. Only rejected records keep their raw bytes (for the
 /// dead-letter topic); valid ones keep just what the pipeline needs.
 #[derive(Debug)]
@@ -45,6 +39,13 @@ pub struct Record {
 pub struct Decoder {
     pub limits: Limits,
     pub fingerprints: Fingerprinter,
+}
+
+impl Decoder {
+    /// Decodes records as every reader does: these limits, this fingerprint key.
+    pub fn new(validation: &crate::config::ValidationSettings, fingerprint_key: &crate::config::Secret) -> Decoder {
+        Decoder { limits: validation.limits(), fingerprints: Fingerprinter::new(fingerprint_key.expose()) }
+    }
 }
 
 /// A rejected record with everything the dead letter must carry.
@@ -156,11 +157,11 @@ pub fn is_fatal_kafka(code: Option<RDKafkaErrorCode>) -> bool {
 pub fn client_config(k: &KafkaSettings) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &k.brokers);
-    if let Some(v) = &k.security_protocol {
-        c.set("security.protocol", v.to_ascii_lowercase());
+    if let Some(v) = k.security_protocol {
+        c.set("security.protocol", v.as_str());
     }
-    if let Some(v) = &k.sasl_mechanism {
-        c.set("sasl.mechanism", v);
+    if let Some(v) = k.sasl_mechanism {
+        c.set("sasl.mechanism", v.as_str());
     }
     if let Some(v) = &k.sasl_username {
         c.set("sasl.username", v);
@@ -574,8 +575,8 @@ mod tests {
     #[test]
     fn security_settings_reach_librdkafka_and_explicit_properties_win() {
         let mut k = KafkaSettings {
-            security_protocol: Some("SASL_SSL".into()),
-            sasl_mechanism: Some("SCRAM-SHA-512".into()),
+            security_protocol: Some(crate::config::SecurityProtocol::SaslSsl),
+            sasl_mechanism: Some(crate::config::SaslMechanism::ScramSha512),
             sasl_username: Some("svc".into()),
             sasl_password: Some(Secret::new("pw")),
             ssl_ca_location: Some("/etc/ca.pem".into()),

@@ -199,12 +199,12 @@ fn cache(
     s.redis.url = clickagg::config::SecretUrl::new(redis_url.to_string());
     s.redis.key_prefix = prefix.to_string();
     s.redis.timeout = Duration::from_secs(30);
-    s.redis.slot_groups = groups.filter(|_| s.redis_cluster());
+    s.redis.slot_groups = groups.filter(|_| s.redis.is_cluster());
     s.redis.wait_replicas = wait_replicas;
     s.kafka.topic = "bench".into();
     s.dedup.shards = shards;
     s.validate()?;
-    Ok(s.shared_cache()?)
+    Ok(clickagg::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?)
 }
 
 /// One connection per node of `redis_url` (one, or every node of a cluster).

@@ -48,6 +48,7 @@ use siphasher::sip128::SipHasher13;
 use super::clock::Secs;
 use super::decide::{ClaimMode, Pin, Sighting, Verdict};
 use super::fingerprint::Fingerprint;
+use crate::config::{ConfigError, RedisSettings};
 use crate::health::RedisTrouble;
 use crate::position::CacheFrontier;
 
@@ -205,19 +206,66 @@ pub enum RedisTarget {
     Cluster(ClusterClient),
 }
 
+impl RedisTarget {
+    /// The Redis the dedup cache lives in: one server, or a cluster through its seeds.
+    pub fn from_settings(r: &RedisSettings) -> Result<RedisTarget, ConfigError> {
+        if !r.is_cluster() {
+            return RedisTarget::client(r).map(RedisTarget::Single);
+        }
+        let invalid = |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", r.url, kind_str(&e)));
+        let mut b = redis::cluster::ClusterClient::builder(r.url.list())
+            .connection_timeout(r.timeout)
+            .response_timeout(r.timeout)
+            // Few retries inside the client: the claimer's own backoff covers longer outages
+            // (a failover) and reports them (readiness, metrics).
+            .retries(3);
+        if let Some(user) = &r.username {
+            b = b.username(user);
+        }
+        if let Some(password) = &r.password {
+            b = b.password(password.expose());
+        }
+        b.build().map(RedisTarget::Cluster).map_err(invalid)
+    }
+
+    /// The client of one Redis, with credentials from the URL or from `username`/`password`.
+    pub fn client(r: &RedisSettings) -> Result<redis::Client, ConfigError> {
+        let invalid = |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", r.url, kind_str(&e)));
+        let mut info: redis::ConnectionInfo =
+            redis::IntoConnectionInfo::into_connection_info(r.url.expose()).map_err(invalid)?;
+        let mut redis_settings = info.redis_settings().clone();
+        if let Some(user) = &r.username {
+            redis_settings = redis_settings.set_username(user.clone());
+        }
+        if let Some(password) = &r.password {
+            redis_settings = redis_settings.set_password(password.expose());
+        }
+        info = info.set_redis_settings(redis_settings);
+        match &r.tls_ca_file {
+            None => redis::Client::open(info).map_err(invalid),
+            Some(path) => {
+                let root_cert = std::fs::read(path)
+                    .map_err(|e| ConfigError::Invalid(format!("redis.tls_ca_file {}: {e}", path.display())))?;
+                let certs = redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) };
+                redis::Client::build_with_tls(info, certs).map_err(invalid)
+            }
+        }
+    }
+}
+
+/// A Redis error without its detail, which may quote the URL (and its password).
+fn kind_str(e: &redis::RedisError) -> String {
+    format!("{:?}", e.kind())
+}
+
 impl From<redis::Client> for RedisTarget {
     fn from(client: redis::Client) -> RedisTarget {
         RedisTarget::Single(client)
     }
 }
 
-/// How durable a claim must be before its verdict is used: acknowledged by `replicas`
-/// replicas of the master that made it (`WAIT`), within `timeout`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Wait {
-    pub replicas: u32,
-    pub timeout: Duration,
-}
+/// How durable a claim must be before its verdict is used (`redis.wait_replicas`).
+pub type Wait = crate::config::RedisWait;
 
 /// A node of a Redis Cluster, as `CLUSTER SLOTS` names it.
 type Node = (String, u16);
@@ -329,7 +377,7 @@ impl SharedCache {
         topic: &str,
         shards: u32,
         groups: u32,
-        window: Duration,
+        window: Secs,
         timeout: Duration,
     ) -> SharedCache {
         let v = library_version();
@@ -346,7 +394,7 @@ impl SharedCache {
             shards,
             groups: groups.max(1),
             wait: None,
-            window: window.as_secs().try_into().unwrap_or(Secs::MAX),
+            window,
             settings_tag: "0".to_string(),
             namespace: Arc::new(Mutex::new(None)),
             partitions: Arc::new(AtomicU32::new(0)),
@@ -365,6 +413,23 @@ impl SharedCache {
     /// The function library's name in this version.
     fn library_name(&self) -> String {
         format!("clickagg_dedup_{}", library_version())
+    }
+
+    /// The shared dedup cache of `topic`, as the settings describe it: where Redis is,
+    /// its key groups, and the rules it decides by (window, shards, the name of its
+    /// namespace).
+    pub fn connect(r: &RedisSettings, rules: &crate::dedup::Rules, topic: &str) -> Result<SharedCache, ConfigError> {
+        let window = rules.window();
+        let cache = SharedCache::new(
+            RedisTarget::from_settings(r)?,
+            &r.key_prefix,
+            topic,
+            rules.shards,
+            r.groups(),
+            window,
+            r.timeout,
+        );
+        Ok(cache.with_wait(r.wait()).with_settings_tag(&rules.tag()))
     }
 
     /// Uses a claim's verdict only once `wait.replicas` replicas acknowledged it.

@@ -8,6 +8,8 @@
 use serde::{Deserialize, Serialize};
 use siphasher::sip128::{Hasher128, SipHasher13};
 
+use super::clock::Secs;
+
 /// What shapes decisions, as recorded: durations in whole seconds, the fingerprint key
 /// only as an identifier (a keyed hash with public keys: names the key, reveals
 /// nothing usable about it).
@@ -28,6 +30,11 @@ impl Rules {
         let mut h = SipHasher13::new_with_keys(0x7275_6c65_732d_6b65, 0x792d_6964_656e_7469);
         std::hash::Hasher::write(&mut h, key.as_bytes());
         format!("{:016x}", h.finish128().h1)
+    }
+
+    /// The window `W` in record-time seconds, the unit every decision compares in.
+    pub fn window(&self) -> Secs {
+        Secs::try_from(self.window_secs).unwrap_or(Secs::MAX)
     }
 
     /// A short name of all of them together: part of the dedup cache's namespace.

@@ -1,18 +1,10 @@
-//! How the service is doing, seen from two places:
-//!
-//! - **one member** ([`board`]): what `/status.json` on `http.addr` reports and the
-//!   page at `/` (`assets/status.html`) renders: identity, assigned partitions with
-//!   their positions, rates, freshness, readiness, clicks per minute;
-//! - **the whole group** ([`group`]): `clickagg status`, from outside any member, from
-//!   Kafka (members, assignment, committed offsets, log ends) and ClickHouse (the last
-//!   durable flush of each partition), with an exit code for stalled partitions.
-//!
-//! [`window`] turns the member's own `/metrics` text into rates and quantiles; [`kafka`]
-//! holds the broker look-ups of the group view.
+//! How one member is doing ([`board`]): what `/status.json` on `http.addr` reports and
+//! the page at `/` (`assets/status.html`) renders: identity, assigned partitions with
+//! their positions, rates, freshness, readiness, clicks per minute. [`window`] turns the
+//! member's own `/metrics` text into rates and quantiles. The whole group's view,
+//! `clickagg status`, is a command (`commands::status`).
 
 pub mod board;
-pub mod group;
-pub mod kafka;
 pub mod window;
 
 use std::time::Duration;

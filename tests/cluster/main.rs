@@ -50,7 +50,8 @@ async fn sum_metric(members: &[&Member], name: &str) -> f64 {
 /// A key of the topic's first key group: its master serves a share of every poll
 /// batch's claims.
 fn first_group_key(env: &TestEnv) -> String {
-    env.settings().shared_cache().expect("cache settings").shard_key(0)
+    let s = env.settings();
+    clickagg::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic).expect("cache settings").shard_key(0)
 }
 
 /// The billing counts each ClickHouse node holds in its own replica (through FINAL),
@@ -79,10 +80,10 @@ async fn the_redis_function_decides_as_the_rust_model_does_on_a_redis_cluster() 
     let _only = exclusive().await;
     let env = cluster_env("luacluster").await;
     let s = env.settings();
-    assert!(s.redis_cluster(), "the seed nodes make it a cluster client");
-    let window = Duration::from_secs(u64::from(helpers::cache_model::WINDOW));
+    assert!(s.redis.is_cluster(), "the seed nodes make it a cluster client");
+    let window = helpers::cache_model::WINDOW;
     let cache = clickagg::dedup::SharedCache::new(
-        s.redis_target().unwrap(),
+        clickagg::dedup::RedisTarget::from_settings(&s.redis).unwrap(),
         &env.redis_prefix,
         &env.topic,
         helpers::cache_model::SHARDS,
@@ -90,7 +91,7 @@ async fn the_redis_function_decides_as_the_rust_model_does_on_a_redis_cluster() 
         window,
         s.redis.timeout,
     )
-    .with_wait(s.redis_wait());
+    .with_wait(s.redis.wait());
     let c = ClusterStack::require();
     let mut masters = std::collections::BTreeSet::new();
     for g in 0..16 {

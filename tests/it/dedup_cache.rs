@@ -11,8 +11,16 @@ use crate::helpers::TestEnv;
 /// The test's dedup cache, spread over `groups` key groups.
 fn cache_in_groups(env: &TestEnv, groups: u32) -> SharedCache {
     let s = env.settings();
-    let window = std::time::Duration::from_secs(u64::from(WINDOW));
-    SharedCache::new(s.redis_client().unwrap(), &env.redis_prefix, &env.topic, SHARDS, groups, window, s.redis.timeout)
+    let window = WINDOW;
+    SharedCache::new(
+        clickagg::dedup::RedisTarget::client(&s.redis).unwrap(),
+        &env.redis_prefix,
+        &env.topic,
+        SHARDS,
+        groups,
+        window,
+        s.redis.timeout,
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,6 +1,9 @@
 //! One function per subcommand: wiring settings to the library, printing results,
 //! choosing exit codes. The work itself lives in the pipeline modules.
 
+pub mod settings;
+pub mod status;
+
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -10,12 +13,13 @@ use tracing::{error, info};
 
 use crate::cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
 use crate::config::Settings;
-use crate::health::{self, Health};
+use crate::health::Health;
 use crate::member::Member;
 use crate::pipeline::Exit;
 use crate::produce::{self, Spec, Truth};
 use crate::reconcile::ReconcileArgs;
 use crate::replay::ReplayArgs;
+use crate::server;
 use crate::sink::Sink;
 use crate::telemetry;
 use crate::verify;
@@ -32,8 +36,8 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Query(args) => crate::query::run(&settings, &args).await,
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
-        Command::Status(args) => crate::status::group::run(&settings, &args).await,
-        Command::Settings(command) => crate::settings_cmd::run(&settings, &command).await,
+        Command::Status(args) => status::run(&settings, &args).await,
+        Command::Settings(command) => settings::run(&settings, &command).await,
         Command::Config => {
             print!("{}", settings.to_redacted_toml());
             Ok(ExitCode::SUCCESS)
@@ -77,13 +81,13 @@ async fn run(s: Settings) -> Result<ExitCode> {
     telemetry::register_zeroes();
     let http_stop = CancellationToken::new();
     if s.http.enabled {
-        let (addr, _) = health::serve(s.http.addr, health.clone(), metrics.clone(), http_stop.clone())
+        let (addr, _) = server::serve(s.http.addr, health.clone(), metrics.clone(), http_stop.clone())
             .await
             .with_context(|| format!("binding http.addr {}", s.http.addr))?;
         info!(%addr, "serving /metrics, /livez, /readyz and the status page /");
         tokio::spawn(crate::status::sample_forever(health.clone(), metrics, Duration::from_secs(1), http_stop.clone()));
-        let probe_redis = s.shared_cache()?;
-        tokio::spawn(health::probe(
+        let probe_redis = crate::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
+        tokio::spawn(server::probe(
             health.clone(),
             probe_redis,
             Sink::new(&s.clickhouse),

@@ -64,7 +64,7 @@ async fn change(s: &Settings, sink: &Sink) -> Result<ExitCode> {
     }
     let (k, group, t) = (s.kafka.clone(), s.kafka.group.clone(), topic.clone());
     let (view, topic_id) = tokio::task::spawn_blocking(move || -> Result<_> {
-        let view = crate::status::kafka::kafka_view(&k, &group, &t)?;
+        let view = super::status::kafka_view(&k, &group, &t)?;
         let id = source::topic_id(&source::lookup_consumer(&k)?, &t, std::time::Duration::from_secs(10))?;
         Ok((view, id))
     })

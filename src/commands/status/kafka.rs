@@ -9,10 +9,36 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::error::KafkaError;
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
+use serde::Serialize;
 
-use super::group::{GroupMember, KafkaView, Offsets};
 use crate::config::KafkaSettings;
 use crate::source;
+
+/// A member as the group's description lists it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct GroupMember {
+    /// `clickagg-<host>-<pid>` for a clickagg member (`kafka.properties."client.id"` if set).
+    pub client_id: String,
+    pub member_id: String,
+    pub host: String,
+    pub partitions: Vec<i32>,
+}
+
+/// What Kafka says about one partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Offsets {
+    pub committed: Option<i64>,
+    pub log_start: i64,
+    pub log_end: i64,
+}
+
+/// What Kafka says about the group and its topic.
+#[derive(Debug, Clone)]
+pub struct KafkaView {
+    pub state: String,
+    pub members: Vec<GroupMember>,
+    pub partitions: BTreeMap<i32, Offsets>,
+}
 
 /// How long one broker look-up may take.
 const TIMEOUT: Duration = Duration::from_secs(10);

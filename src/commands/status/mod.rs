@@ -24,9 +24,12 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use super::kafka::{kafka_view, timestamps_at};
+mod kafka;
+
 use crate::config::Settings;
 use crate::sink::{LastFlush, Sink};
+use kafka::timestamps_at;
+pub use kafka::{kafka_view, GroupMember, KafkaView, Offsets};
 
 /// Exit code when at least one partition is stalled.
 pub const EXIT_STALLED: u8 = 4;
@@ -53,32 +56,6 @@ pub struct StatusArgs {
     /// time either, is stalled (exit 4). E.g. 10m, 90s.
     #[arg(long, default_value = "10m")]
     pub stall_after: humantime::Duration,
-}
-
-/// A member as the group's description lists it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct GroupMember {
-    /// `clickagg-<host>-<pid>` for a clickagg member (`kafka.properties."client.id"` if set).
-    pub client_id: String,
-    pub member_id: String,
-    pub host: String,
-    pub partitions: Vec<i32>,
-}
-
-/// What Kafka says about one partition.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Offsets {
-    pub committed: Option<i64>,
-    pub log_start: i64,
-    pub log_end: i64,
-}
-
-/// What Kafka says about the group and its topic.
-#[derive(Debug, Clone)]
-pub struct KafkaView {
-    pub state: String,
-    pub members: Vec<GroupMember>,
-    pub partitions: BTreeMap<i32, Offsets>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

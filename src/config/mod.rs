@@ -1,0 +1,493 @@
+//! Typed settings: defaults < TOML file (`--config`) < environment
+//! (`CLICKAGG__SECTION__KEY`) < command-line flags.
+//!
+//! Unknown keys are rejected wherever they come from, so a typo fails at startup
+//! instead of silently running with a default. Secrets are [`Secret`]s (`secrets`): they
+//! print as `[redacted]` in `Debug`, in `clickagg config` and in every error message.
+//! Durations are parsed here, once, into what the code uses. The cross-field checks are
+//! in `validate`; what a setting builds (a Redis client, the dedup cache, the decoder)
+//! is built by that type from its section.
+
+mod kafka;
+mod validate;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+
+use crate::aggregate::BatchOffsets;
+use crate::click::Limits;
+pub use crate::secrets::{redact_url, Secret, SecretUrl};
+pub use kafka::{KafkaSettings, SaslMechanism, SecurityProtocol, EXACTLY_ONCE_PROPERTIES};
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    pub kafka: KafkaSettings,
+    pub redis: RedisSettings,
+    pub dedup: DedupSettings,
+    pub clickhouse: ClickHouseSettings,
+    pub pipeline: PipelineSettings,
+    pub validation: ValidationSettings,
+    pub dead_letter: DeadLetterSettings,
+    pub http: HttpSettings,
+    pub log: LogSettings,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RedisSettings {
+    /// `redis://` or `rediss://` (TLS); may carry `user:password@`. Several URLs,
+    /// comma-separated, are the seed nodes of a Redis Cluster.
+    pub url: SecretUrl,
+    /// A Redis Cluster: the dedup cache spreads its keys over `slot_groups` hash tags
+    /// and sends each master the claims of the groups it serves. Implied by several
+    /// URLs in `url`; `true` with one URL uses it as the only seed node.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<bool>,
+    /// Key groups of the cache on a Redis Cluster (16 by default): each is one hash tag,
+    /// so one slot, and every poll batch sends each group one call. More groups spread
+    /// the cache more evenly over more masters, at a call per group per batch. Part of
+    /// the key names: another value starts another cache, warmed up from the log.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot_groups: Option<u32>,
+    /// Replicas that must acknowledge a poll batch's claims (`WAIT`) before their
+    /// verdicts are used: a claim a master lost in a failover before its replica had it
+    /// would let a later copy of the click count again. Default 1 on a cluster, 0 on a
+    /// single Redis (set it there when Sentinel may promote a replica).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wait_replicas: Option<u32>,
+    /// How long a `WAIT` may take before the claims count as failed (and are claimed
+    /// again): a replica that answers later is as good as down.
+    #[serde(with = "humantime_serde")]
+    pub wait_timeout: Duration,
+    /// ACL user, if not in the URL.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// PEM file of the CA that signed the server certificate, for `rediss://` with a
+    /// private CA (public CAs are trusted from the system store).
+    pub tls_ca_file: Option<PathBuf>,
+    /// Prefix of every dedup key; lets several deployments share one Redis.
+    pub key_prefix: String,
+    /// Deprecated name of `dedup.window`, still read so existing configurations keep
+    /// their window; `dedup.window` wins when both are set.
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub dedup_ttl: Option<Duration>,
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for RedisSettings {
+    fn default() -> Self {
+        RedisSettings {
+            url: SecretUrl::new("redis://127.0.0.1:6379/"),
+            cluster: None,
+            slot_groups: None,
+            wait_replicas: None,
+            wait_timeout: Duration::from_secs(1),
+            username: None,
+            password: None,
+            tls_ca_file: None,
+            key_prefix: "clickagg:dedup:".into(),
+            dedup_ttl: None,
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How durable a claim must be before its verdict is used: acknowledged by `replicas`
+/// replicas of the master that made it (`WAIT`), within `timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RedisWait {
+    pub replicas: u32,
+    pub timeout: Duration,
+}
+
+impl RedisSettings {
+    /// Whether the dedup cache is a Redis Cluster: `redis.cluster`, or several seed nodes.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.unwrap_or(self.url.list().len() > 1)
+    }
+
+    /// What the claims wait for: `redis.wait_replicas` (1 on a cluster, 0 otherwise).
+    pub fn wait(&self) -> Option<RedisWait> {
+        let replicas = self.wait_replicas.unwrap_or(u32::from(self.is_cluster()));
+        (replicas > 0).then_some(RedisWait { replicas, timeout: self.wait_timeout })
+    }
+
+    /// Key groups of the cache: `slot_groups` on a cluster (16 by default), one otherwise.
+    pub fn groups(&self) -> u32 {
+        if self.is_cluster() {
+            self.slot_groups.unwrap_or(16)
+        } else {
+            1
+        }
+    }
+}
+
+/// What counts as a duplicate, and how the Redis cache of that decision is kept
+/// (README, "What counts").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DedupSettings {
+    /// The dedup window `W`, in record time: a click counts unless a record with the same
+    /// click ID lies less than `W` before it in its partition. Whole seconds.
+    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
+    pub window: Option<Duration>,
+    /// How far behind the wall clock, in record time, the sweeper keeps sightings for
+    /// readers that do not say they lag: it deletes entries last seen more than `window +
+    /// max_record_lag` ago, but never within `window` of the record time a lagging reader
+    /// has reached (a reader lagging more than half of this says so). Shape the Redis
+    /// memory: entries live about `window + max_record_lag`.
+    #[serde(with = "humantime_serde")]
+    pub max_record_lag: Duration,
+    /// Hashes the cache is spread over (a power of two, 4096 to 2^24). Size it so each
+    /// holds 64 to 200 entries: clicks per (`window` + `max_record_lag`) / 100. Recorded
+    /// per topic: change it with `clickagg settings change`.
+    pub shards: u32,
+    /// Key of the click-ID fingerprint (SipHash): set a secret of your own so nobody can
+    /// make two click IDs collide on purpose. Recorded per topic (by an identifier, never
+    /// the key): change it with `clickagg settings change`.
+    pub fingerprint_key: Secret,
+}
+
+impl Default for DedupSettings {
+    fn default() -> Self {
+        DedupSettings {
+            window: None,
+            max_record_lag: Duration::from_secs(6 * 3600),
+            shards: 1 << 16,
+            fingerprint_key: Secret::new("clickagg-default-fingerprint-key"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClickHouseSettings {
+    /// HTTP(S) endpoint; may carry the user and password, in its user info
+    /// (`https://user:pass@host`) or as `?user=…&password=…` ([`endpoint`](Self::endpoint)).
+    pub url: SecretUrl,
+    pub user: String,
+    pub password: Option<Secret>,
+    pub database: String,
+    /// PEM file of the CA that signed the server certificate, for `https://` with a
+    /// private CA (public CAs are trusted from the system store).
+    pub tls_ca_file: Option<PathBuf>,
+    #[serde(with = "humantime_serde")]
+    pub request_timeout: Duration,
+    /// The ClickHouse cluster (`remote_servers`) the tables live on: `migrate` creates
+    /// replicated tables on every shard and a `Distributed` table over them, and every
+    /// insert is synchronous (`insert_distributed_sync`) and waits for `insert_quorum`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster: Option<String>,
+    /// Replicas of a shard that must hold a flush's rows before the flush counts as
+    /// durable (and its offsets are committed). Default 2 with `cluster`; 0 turns it off.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub insert_quorum: Option<u32>,
+    /// How long an insert waits for its quorum before it fails (and is retried).
+    #[serde(with = "humantime_serde")]
+    pub insert_quorum_timeout: Duration,
+}
+
+impl Default for ClickHouseSettings {
+    fn default() -> Self {
+        ClickHouseSettings {
+            url: SecretUrl::new("http://127.0.0.1:8123"),
+            user: "default".into(),
+            password: None,
+            database: "clickagg".into(),
+            tls_ca_file: None,
+            request_timeout: Duration::from_secs(30),
+            cluster: None,
+            insert_quorum: None,
+            insert_quorum_timeout: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Where and as whom to connect to ClickHouse.
+#[derive(Debug, Clone)]
+pub struct ClickHouseEndpoint {
+    /// `clickhouse.url` without user info and query.
+    pub url: String,
+    pub user: String,
+    pub password: Option<Secret>,
+}
+
+impl ClickHouseSettings {
+    /// Replicas an insert waits for: `insert_quorum`, 2 on a cluster by default.
+    pub fn quorum(&self) -> u32 {
+        self.insert_quorum.unwrap_or(if self.cluster.is_some() { 2 } else { 0 })
+    }
+
+    /// The endpoint `clickhouse.url`, `clickhouse.user` and `clickhouse.password` name.
+    ///
+    /// ClickHouse's HTTP interface takes credentials in the URL, as user info or as
+    /// `user` and `password` query parameters, but the clickhouse client crate sends
+    /// the user info nowhere and drops the whole query. So they are taken out of the URL
+    /// here and given to the client as its user and password; a user or password in the
+    /// URL wins over `clickhouse.user` / `clickhouse.password`, and a password in both
+    /// places is refused as ambiguous. Any other query parameter is refused too, rather
+    /// than silently dropped. Errors show the URL redacted.
+    pub fn endpoint(&self) -> Result<ClickHouseEndpoint, String> {
+        let shown = &self.url;
+        let mut u =
+            url::Url::parse(self.url.expose()).map_err(|e| format!("clickhouse.url {shown} is not a URL: {e}"))?;
+        if !matches!(u.scheme(), "http" | "https") {
+            return Err(format!("clickhouse.url {shown} must start with http:// or https://"));
+        }
+        let decoded = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+        let (mut user, mut password) =
+            ((!u.username().is_empty()).then(|| decoded(u.username())), u.password().map(decoded));
+        for (name, value) in u.query_pairs() {
+            let slot = match &*name {
+                "user" => &mut user,
+                "password" => &mut password,
+                _ => {
+                    return Err(format!(
+                        "clickhouse.url {shown}: only user and password may be query parameters (the ClickHouse \
+                         client drops the query); set other ClickHouse settings in clickhouse.user's profile"
+                    ))
+                }
+            };
+            if slot.replace(value.into_owned()).is_some() {
+                return Err(format!("clickhouse.url {shown} gives the {name} twice"));
+            }
+        }
+        if password.is_some() && self.password.is_some() {
+            return Err(format!(
+                "clickhouse.url {shown} carries a password and clickhouse.password is set too: keep one"
+            ));
+        }
+        u.set_query(None);
+        u.set_fragment(None);
+        if u.set_username("").and(u.set_password(None)).is_err() {
+            return Err(format!("clickhouse.url {shown} has no host"));
+        }
+        Ok(ClickHouseEndpoint {
+            url: u.to_string(),
+            user: user.unwrap_or_else(|| self.user.clone()),
+            password: password.map(Secret::new).or_else(|| self.password.clone()),
+        })
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineSettings {
+    /// Batch size in offsets (`N`): part of every batch ID, fixed per topic.
+    pub batch_offsets: u64,
+    /// How often changed buckets are written even if no batch completed.
+    #[serde(with = "humantime_serde")]
+    pub flush_interval: Duration,
+    /// Records taken from the consumer per poll batch (one Redis pipeline each).
+    pub max_poll_records: usize,
+    /// Consumption pauses while more buckets than this are held unflushed (ClickHouse
+    /// down or slow), which bounds memory.
+    pub max_unflushed_buckets: usize,
+    /// How long shutdown and partition revocation may spend flushing and committing.
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
+    /// Upper bound of the exponential backoff between retries of Redis and ClickHouse.
+    #[serde(with = "humantime_serde")]
+    pub max_backoff: Duration,
+}
+
+impl Default for PipelineSettings {
+    fn default() -> Self {
+        PipelineSettings {
+            batch_offsets: 10_000,
+            flush_interval: Duration::from_secs(1),
+            max_poll_records: 2_000,
+            max_unflushed_buckets: 1_000_000,
+            drain_timeout: Duration::from_secs(30),
+            max_backoff: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ValidationSettings {
+    pub max_payload_bytes: usize,
+    pub max_click_id_len: usize,
+    /// How far an event's `ts` may be ahead of its Kafka record timestamp.
+    #[serde(with = "humantime_serde")]
+    pub max_future_skew: Duration,
+    /// How far an event's `ts` may be behind its Kafka record timestamp.
+    #[serde(with = "humantime_serde")]
+    pub max_lateness: Duration,
+}
+
+impl Default for ValidationSettings {
+    fn default() -> Self {
+        let l = Limits::default();
+        ValidationSettings {
+            max_payload_bytes: l.max_payload_bytes,
+            max_click_id_len: l.max_click_id_len,
+            max_future_skew: l.max_future_skew,
+            max_lateness: l.max_lateness,
+        }
+    }
+}
+
+impl ValidationSettings {
+    pub fn limits(&self) -> Limits {
+        Limits {
+            max_payload_bytes: self.max_payload_bytes,
+            max_click_id_len: self.max_click_id_len,
+            max_future_skew: self.max_future_skew,
+            max_lateness: self.max_lateness,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DeadLetterSettings {
+    /// Rejected records are produced to `topic`; when disabled they are only counted
+    /// and logged (not recommended: a bad record then leaves no trace to replay).
+    pub enabled: bool,
+    /// Defaults to `<kafka.topic>.dlq`.
+    pub topic: Option<String>,
+}
+
+impl Default for DeadLetterSettings {
+    fn default() -> Self {
+        DeadLetterSettings { enabled: true, topic: None }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HttpSettings {
+    /// `/metrics`, `/livez` and `/readyz`. Port 0 picks a free port (logged at start).
+    pub addr: SocketAddr,
+    pub enabled: bool,
+}
+
+impl Default for HttpSettings {
+    fn default() -> Self {
+        HttpSettings { addr: "127.0.0.1:9464".parse().expect("valid"), enabled: true }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Human,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogSettings {
+    pub format: LogFormat,
+    /// `RUST_LOG`-style filter; the `RUST_LOG` variable wins when set.
+    pub filter: String,
+}
+
+impl Default for LogSettings {
+    fn default() -> Self {
+        LogSettings { format: LogFormat::Human, filter: "info".into() }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration file {0} does not exist")]
+    MissingFile(PathBuf),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// A flag override: a dotted key (`kafka.brokers`) and its value.
+pub type Override = (&'static str, figment::value::Value);
+
+impl Settings {
+    /// Layers defaults < file < environment < flags and validates the result.
+    pub fn load(file: Option<&Path>, overrides: Vec<Override>) -> Result<Settings, ConfigError> {
+        Self::load_layers(file, overrides, Env::prefixed("CLICKAGG__").split("__"))
+    }
+
+    /// Like [`load`](Self::load), reading `CLICKAGG__…` variables from `vars` instead of
+    /// the process environment (tests, and checks of deployment files).
+    pub fn load_with_vars<'a>(
+        file: Option<&Path>,
+        overrides: Vec<Override>,
+        vars: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Settings, ConfigError> {
+        let mut env = Figment::new();
+        for (k, v) in vars {
+            if let Some(rest) = k.strip_prefix("CLICKAGG__") {
+                let key = rest.to_ascii_lowercase().replace("__", ".");
+                // Parsed the way figment's `Env` parses values (numbers, booleans, strings).
+                let value: figment::value::Value = v.parse().expect("infallible");
+                env = env.merge(Serialized::default(&key, value));
+            }
+        }
+        Self::load_layers(file, overrides, env)
+    }
+
+    fn load_layers(
+        file: Option<&Path>,
+        overrides: Vec<Override>,
+        env: impl figment::Provider,
+    ) -> Result<Settings, ConfigError> {
+        // Every struct is `#[serde(default)]`, so an empty figment yields the defaults.
+        let mut figment = Figment::new();
+        if let Some(path) = file {
+            if !path.exists() {
+                return Err(ConfigError::MissingFile(path.to_path_buf()));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment.merge(env);
+        for (key, value) in overrides {
+            figment = figment.merge(Serialized::default(key, value));
+        }
+        let settings: Settings = figment.extract().map_err(|e| ConfigError::Invalid(validate::describe(e)))?;
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    /// The dedup window `W` (`dedup.window`, or the deprecated `redis.dedup_ttl`).
+    pub fn dedup_window(&self) -> Duration {
+        self.dedup.window.or(self.redis.dedup_ttl).unwrap_or(Duration::from_secs(24 * 3600))
+    }
+
+    pub fn batch_offsets(&self) -> BatchOffsets {
+        BatchOffsets::new(self.pipeline.batch_offsets).expect("validated")
+    }
+
+    pub fn dead_letter_topic(&self) -> String {
+        self.dead_letter.topic.clone().unwrap_or_else(|| format!("{}.dlq", self.kafka.topic))
+    }
+
+    /// The effective configuration as TOML, secrets redacted (`clickagg config`).
+    pub fn to_redacted_toml(&self) -> String {
+        toml::to_string_pretty(self).expect("settings always serialize")
+    }
+
+    /// The settings that decide which clicks count, as the topic records them.
+    pub fn rules(&self) -> crate::dedup::Rules {
+        let v = &self.validation;
+        crate::dedup::Rules {
+            window_secs: self.dedup_window().as_secs(),
+            fingerprint_key_id: crate::dedup::Rules::key_id(self.dedup.fingerprint_key.expose()),
+            shards: self.dedup.shards,
+            max_payload_bytes: v.max_payload_bytes as u64,
+            max_click_id_len: v.max_click_id_len as u64,
+            max_future_skew_secs: v.max_future_skew.as_secs(),
+            max_lateness_secs: v.max_lateness.as_secs(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

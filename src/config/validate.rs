@@ -1,0 +1,259 @@
+//! The cross-field checks of the settings, each saying what to change, and the text of
+//! a settings error (which names the key and its source, never the value).
+
+use std::time::Duration;
+
+use super::kafka::EXACTLY_ONCE_PROPERTIES;
+use super::{ConfigError, Settings};
+use crate::aggregate::BatchOffsets;
+
+impl Settings {
+    /// Cross-field checks, each saying what to change.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut problems = Vec::new();
+        let p = &self.pipeline;
+        if BatchOffsets::new(p.batch_offsets).is_none() {
+            problems.push("pipeline.batch_offsets must be at least 1".to_string());
+        }
+        if p.max_poll_records == 0 {
+            problems.push("pipeline.max_poll_records must be at least 1".to_string());
+        }
+        if p.flush_interval.is_zero() {
+            problems.push("pipeline.flush_interval must be longer than 0".to_string());
+        }
+        if p.drain_timeout >= self.kafka.session_timeout {
+            problems.push(format!(
+                "pipeline.drain_timeout ({}) must be shorter than kafka.session_timeout ({}): \
+                 a member still draining would be evicted from the group mid-commit; \
+                 lower pipeline.drain_timeout or raise kafka.session_timeout",
+                humantime::format_duration(p.drain_timeout),
+                humantime::format_duration(self.kafka.session_timeout)
+            ));
+        }
+        if p.flush_interval >= self.kafka.max_poll_interval {
+            problems.push(format!(
+                "pipeline.flush_interval ({}) must be shorter than kafka.max_poll_interval ({})",
+                humantime::format_duration(p.flush_interval),
+                humantime::format_duration(self.kafka.max_poll_interval)
+            ));
+        }
+        let window = self.dedup_window();
+        if self.validation.max_lateness > window {
+            problems.push(format!(
+                "validation.max_lateness ({}) exceeds dedup.window ({}): a late retry could arrive more than \
+                 a window after its original and be counted twice; raise dedup.window or lower validation.max_lateness",
+                humantime::format_duration(self.validation.max_lateness),
+                humantime::format_duration(window)
+            ));
+        }
+        if window < Duration::from_secs(1) || window.subsec_nanos() != 0 {
+            problems.push("dedup.window must be a whole number of seconds, at least 1s".to_string());
+        }
+        if self.dedup.max_record_lag < Duration::from_secs(60) {
+            problems.push("dedup.max_record_lag must be at least 1m".to_string());
+        }
+        if self.redis.key_prefix.contains(['{', '}']) {
+            problems.push("redis.key_prefix must not contain braces: the dedup keys use them as hash tags".to_string());
+        }
+        if !self.dedup.shards.is_power_of_two() || !(1 << 12..=1 << 24).contains(&self.dedup.shards) {
+            problems.push(format!(
+                "dedup.shards ({}) must be a power of two from 4096 to 16777216 (the shard is part of the \
+                 click fingerprint: fewer shards would leave it under 100 bits)",
+                self.dedup.shards
+            ));
+        }
+        for key in EXACTLY_ONCE_PROPERTIES {
+            if self.kafka.properties.contains_key(*key) {
+                problems.push(format!(
+                    "kafka.properties.\"{key}\" must not be set: clickagg sets it itself and exactly-once \
+                     depends on its value (remove the override)"
+                ));
+            }
+        }
+        if self.kafka.topic.is_empty() || self.kafka.group.is_empty() || self.kafka.brokers.is_empty() {
+            problems.push("kafka.brokers, kafka.topic and kafka.group must not be empty".to_string());
+        }
+        if self.dead_letter.enabled && self.dead_letter_topic() == self.kafka.topic {
+            problems.push("dead_letter.topic must differ from kafka.topic".to_string());
+        }
+        if self.kafka.sasl_mechanism.is_some()
+            && (self.kafka.sasl_username.is_none() || self.kafka.sasl_password.is_none())
+        {
+            problems.push("kafka.sasl_mechanism needs kafka.sasl_username and kafka.sasl_password".to_string());
+        }
+        let seeds = self.redis.url.list();
+        if self.redis.tls_ca_file.is_some() && !seeds.iter().all(|u| u.starts_with("rediss://")) {
+            problems.push("redis.tls_ca_file is set but redis.url does not start with rediss://".to_string());
+        }
+        if seeds.is_empty()
+            || !seeds.iter().all(|u| {
+                u.starts_with("redis://")
+                    || u.starts_with("rediss://")
+                    || (!self.redis.is_cluster() && u.starts_with("redis+unix://"))
+            })
+        {
+            problems.push(format!("redis.url {} must start with redis:// or rediss://", self.redis.url));
+        }
+        if self.redis.is_cluster() && self.redis.tls_ca_file.is_some() {
+            // The redis crate's cluster client takes a private CA only with rustls, which
+            // clickagg does not build with.
+            problems.push(
+                "redis.tls_ca_file is not supported with a Redis Cluster: add the CA to the system's trust store \
+                 and unset redis.tls_ca_file"
+                    .to_string(),
+            );
+        }
+        if seeds.len() > 1 && self.redis.cluster == Some(false) {
+            problems.push(format!(
+                "redis.url {} names several nodes, which only a Redis Cluster has: set redis.cluster = true, or give one URL",
+                self.redis.url
+            ));
+        }
+        if let Some(g) = self.redis.slot_groups {
+            if !self.redis.is_cluster() {
+                problems.push("redis.slot_groups only applies to a Redis Cluster (redis.cluster = true)".to_string());
+            } else if !(1..=4096).contains(&g) {
+                problems.push(format!("redis.slot_groups ({g}) must be from 1 to 4096"));
+            }
+        }
+        if self.redis.wait().is_some() {
+            let w = self.redis.wait_timeout;
+            if w < Duration::from_millis(1) || w >= self.redis.timeout {
+                problems.push(format!(
+                    "redis.wait_timeout ({}) must be at least 1ms and shorter than redis.timeout ({}): a WAIT \
+                     longer than the response timeout would count as a lost connection",
+                    humantime::format_duration(w),
+                    humantime::format_duration(self.redis.timeout)
+                ));
+            }
+        }
+        let ch = &self.clickhouse;
+        if let Some(c) = &ch.cluster {
+            if c.is_empty() || !c.chars().all(|x| x.is_ascii_alphanumeric() || x == '_') {
+                problems.push(format!("clickhouse.cluster {c:?} must be a cluster name of letters, digits and _"));
+            }
+        } else if ch.insert_quorum.is_some_and(|q| q > 0) {
+            problems.push("clickhouse.insert_quorum needs clickhouse.cluster (a single server has no replicas)".into());
+        }
+        if ch.quorum() > 0 && ch.insert_quorum_timeout >= ch.request_timeout {
+            problems.push(format!(
+                "clickhouse.insert_quorum_timeout ({}) must be shorter than clickhouse.request_timeout ({})",
+                humantime::format_duration(ch.insert_quorum_timeout),
+                humantime::format_duration(ch.request_timeout)
+            ));
+        }
+        if let Some(path) = &self.clickhouse.tls_ca_file {
+            if !self.clickhouse.url.expose().starts_with("https://") {
+                problems
+                    .push("clickhouse.tls_ca_file is set but clickhouse.url does not start with https://".to_string());
+            }
+            match std::fs::read(path).map(|pem| native_tls::Certificate::from_pem(&pem)) {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    problems.push(format!("clickhouse.tls_ca_file {} is not a PEM certificate: {e}", path.display()))
+                }
+                Err(e) => problems.push(format!("clickhouse.tls_ca_file {}: {e}", path.display())),
+            }
+        }
+        if let Err(problem) = self.clickhouse.endpoint() {
+            problems.push(problem);
+        }
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems.join("; ")))
+        }
+    }
+}
+
+/// Figment's error text, which names the key and the source (file, env variable) but,
+/// unlike some serde messages, never the offending value.
+pub(super) fn describe(e: figment::Error) -> String {
+    e.into_iter()
+        .map(|e| {
+            let path = e.path.join(".");
+            let source = e.metadata.as_ref().map(|m| m.name.to_string()).unwrap_or_default();
+            let what = match &e.kind {
+                figment::error::Kind::UnknownField(field, expected) => {
+                    format!("unknown key {field:?} (expected one of {})", expected.join(", "))
+                }
+                figment::error::Kind::InvalidType(_, expected) => format!("wrong type, expected {expected}"),
+                figment::error::Kind::InvalidValue(_, expected) => format!("invalid value, expected {expected}"),
+                other => other.to_string(),
+            };
+            if path.is_empty() {
+                format!("{what} (from {source})")
+            } else {
+                format!("{path}: {what} (from {source})")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+#[cfg(test)]
+// figment's `Jail` closures return its (large) error type; that is its API, not ours.
+#[allow(clippy::result_large_err)]
+mod tests {
+    use super::*;
+    use crate::secrets::Secret;
+    use figment::Jail;
+
+    #[test]
+    fn cross_field_checks_say_what_to_change() {
+        let mut s = Settings::default();
+        s.pipeline.drain_timeout = Duration::from_secs(60);
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("lower pipeline.drain_timeout or raise kafka.session_timeout"), "{e}");
+
+        let mut s = Settings::default();
+        s.validation.max_lateness = Duration::from_secs(48 * 3600);
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("raise dedup.window"), "{e}");
+
+        let mut s = Settings::default();
+        s.kafka.properties.insert("isolation.level".into(), Secret::new("read_uncommitted"));
+        let e = s.validate().unwrap_err().to_string();
+        assert!(e.contains("kafka.properties.\"isolation.level\" must not be set"), "{e}");
+
+        let mut s = Settings::default();
+        s.pipeline.batch_offsets = 0;
+        assert!(s.validate().is_err());
+    }
+
+    #[test]
+    fn cluster_settings_that_contradict_each_other_are_refused_with_what_to_change() {
+        let refused = |vars: &[(&str, &str)], says: &str| {
+            let e = Settings::load_with_vars(None, vec![], vars.iter().copied()).unwrap_err().to_string();
+            assert!(e.contains(says), "{says} in {e}");
+        };
+        refused(
+            &[("CLICKAGG__REDIS__URL", "redis://a:1/,redis://b:2/"), ("CLICKAGG__REDIS__CLUSTER", "false")],
+            "set redis.cluster = true, or give one URL",
+        );
+        refused(&[("CLICKAGG__REDIS__SLOT_GROUPS", "8")], "redis.slot_groups only applies to a Redis Cluster");
+        refused(
+            &[("CLICKAGG__REDIS__CLUSTER", "true"), ("CLICKAGG__REDIS__WAIT_TIMEOUT", "10s")],
+            "shorter than redis.timeout",
+        );
+        refused(&[("CLICKAGG__CLICKHOUSE__INSERT_QUORUM", "2")], "clickhouse.insert_quorum needs clickhouse.cluster");
+        refused(&[("CLICKAGG__CLICKHOUSE__CLUSTER", "a-b")], "letters, digits and _");
+        refused(
+            &[("CLICKAGG__CLICKHOUSE__CLUSTER", "c"), ("CLICKAGG__CLICKHOUSE__INSERT_QUORUM_TIMEOUT", "1m")],
+            "shorter than clickhouse.request_timeout",
+        );
+        let s = Settings::load_with_vars(None, vec![], [("CLICKAGG__CLICKHOUSE__CLUSTER", "c")]).unwrap();
+        assert_eq!(s.clickhouse.quorum(), 2, "a cluster's inserts wait for two replicas by default");
+    }
+
+    #[test]
+    fn an_invalid_value_error_does_not_quote_the_value() {
+        Jail::expect_with(|jail| {
+            jail.set_env("CLICKAGG__HTTP__ADDR", "not-an-address-hunter2");
+            let e = Settings::load(None, vec![]).unwrap_err().to_string();
+            assert!(!e.contains("hunter2"), "{e}");
+            assert!(e.contains("http.addr"), "{e}");
+            Ok(())
+        });
+    }
+}
