@@ -1,32 +1,19 @@
-//! `clickagg query`: billing counts from ClickHouse, per ad and minute, hour or day.
-//!
-//! The SQL lives in `sql/billing.sql` and `sql/billing_top.sql` so that an analyst can
-//! run the very same text with `clickhouse-client --param_…`. Those files use
-//! server-side `{name:Type}` placeholders, which ClickHouse 18.16 does not know, so
-//! this module writes the values in client-side, as literals built only from numbers
-//! and escaped strings ([`substitute`]). Both files read through `FINAL`: a batch row
-//! replaced by a later version is never summed twice.
-//!
-//! The query reads the coarsest table that answers it exactly ([`grain_for`]): the daily
-//! roll-up for days over whole days, the hourly one for hours (or days) over whole
-//! hours, the minute table otherwise.
+//! `clickagg query`: billing counts from ClickHouse, per ad and minute, hour or day,
+//! through the one billing read (`sink::billing`), printed as a table, CSV or JSON.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::process::ExitCode;
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use chrono::{DateTime, NaiveDate, Utc};
 use clap::{Args, ValueEnum};
-use clickhouse::Row;
-use serde::Deserialize;
 
 use crate::aggregate::Grain;
 use crate::config::Settings;
-use crate::sink::{quote_ident, quote_literal, table_of, Sink};
-
-pub const BILLING_SQL: &str = include_str!("../sql/billing.sql");
-pub const BILLING_TOP_SQL: &str = include_str!("../sql/billing_top.sql");
+use crate::sink::billing::{billing_sql, BillingRequest};
+pub use crate::sink::billing::{grain_for, BillingRow, BILLING_SQL, BILLING_TOP_SQL};
+use crate::sink::Sink;
 
 /// The bucket width of the counts. Buckets are UTC: the table stores UTC minutes and
 /// billing days must not move with a server's or analyst's time zone.
@@ -44,6 +31,15 @@ impl By {
             By::Minute => "minute",
             By::Hour => "hour",
             By::Day => "day",
+        }
+    }
+
+    /// The grain of the buckets.
+    pub fn grain(self) -> Grain {
+        match self {
+            By::Minute => Grain::Minute,
+            By::Hour => Grain::Hour,
+            By::Day => Grain::Day,
         }
     }
 }
@@ -95,24 +91,6 @@ pub struct QueryArgs {
     pub print_sql: bool,
 }
 
-/// One bucket of one ad.
-#[derive(Debug, Clone, PartialEq, Eq, Row, Deserialize)]
-pub struct BillingRow {
-    pub ad_id: u64,
-    /// Start of the bucket, Unix seconds (UTC).
-    pub bucket: u32,
-    pub clicks: u64,
-}
-
-impl BillingRow {
-    pub fn bucket_rfc3339(&self) -> String {
-        DateTime::from_timestamp(i64::from(self.bucket), 0)
-            .expect("u32 seconds are always a valid timestamp")
-            .format("%Y-%m-%dT%H:%M:%SZ")
-            .to_string()
-    }
-}
-
 /// RFC 3339, or a plain date meaning its UTC midnight (billing days are UTC days).
 pub fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
     if let Ok(t) = DateTime::parse_from_rfc3339(s) {
@@ -124,142 +102,33 @@ pub fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
     Err(format!("{s:?} is neither RFC 3339 (2026-11-30T08:00:00Z) nor a date (2026-11-30)"))
 }
 
-/// A value for one `{name:Type}` placeholder of the SQL files.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Param {
-    DateTimeUtc(u32),
-    String(String),
-    UInt8(u8),
-    UInt64(u64),
-    ArrayUInt64(Vec<u64>),
-    Identifier(&'static str),
-}
-
-impl Param {
-    /// The type the placeholder must declare: a file and this code that disagree
-    /// fail loudly instead of comparing, say, a date with a string.
-    fn sql_type(&self) -> &'static str {
-        match self {
-            Param::DateTimeUtc(_) => "DateTime('UTC')",
-            Param::String(_) => "String",
-            Param::UInt8(_) => "UInt8",
-            Param::UInt64(_) => "UInt64",
-            Param::ArrayUInt64(_) => "Array(UInt64)",
-            Param::Identifier(_) => "Identifier",
-        }
-    }
-
-    /// The value as a ClickHouse 18.16-compatible literal. Typed explicitly where the
-    /// bare literal would have another type (an empty `[]` has no element type).
-    /// Plain numbers for the integers: they also have to work after `LIMIT`, and a
-    /// literal 0 or 1 is what 18.16 folds when it picks granules by the primary key.
-    fn literal(&self) -> String {
-        match self {
-            Param::DateTimeUtc(secs) => format!("toDateTime({secs}, 'UTC')"),
-            Param::String(s) => quote_literal(s),
-            Param::UInt8(n) => n.to_string(),
-            Param::UInt64(n) => n.to_string(),
-            Param::ArrayUInt64(v) => {
-                let items: Vec<String> = v.iter().map(u64::to_string).collect();
-                format!("CAST([{}] AS Array(UInt64))", items.join(", "))
-            }
-            Param::Identifier(name) => quote_ident(name),
-        }
-    }
-}
-
-/// Writes `params` into the `{name:Type}` placeholders of `sql` and drops the `--`
-/// comment lines (they show placeholders too, in the examples). Every placeholder must
-/// have a parameter of its declared type, and every parameter must be used.
-pub fn substitute(sql: &str, params: &[(&str, Param)]) -> Result<String> {
-    let body: String = sql.lines().filter(|l| !l.trim_start().starts_with("--")).map(|l| format!("{l}\n")).collect();
-    let mut out = String::with_capacity(body.len());
-    let mut used = vec![false; params.len()];
-    let mut rest = body.as_str();
-    while let Some(open) = rest.find('{') {
-        out.push_str(&rest[..open]);
-        let close = rest[open..].find('}').ok_or_else(|| anyhow!("unclosed '{{' in SQL"))? + open;
-        let inner = &rest[open + 1..close];
-        let (name, ty) =
-            inner.split_once(':').ok_or_else(|| anyhow!("'{{{inner}}}' is not a {{name:Type}} placeholder"))?;
-        let i = params
-            .iter()
-            .position(|(n, _)| *n == name.trim())
-            .ok_or_else(|| anyhow!("no value for placeholder {{{inner}}}"))?;
-        let param = &params[i].1;
-        if ty.trim() != param.sql_type() {
-            bail!("placeholder {{{inner}}} does not have the expected type {}", param.sql_type());
-        }
-        used[i] = true;
-        out.push_str(&param.literal());
-        rest = &rest[close + 1..];
-    }
-    out.push_str(rest);
-    if let Some(i) = used.iter().position(|u| !u) {
-        bail!("parameter {} is not used by the SQL", params[i].0);
-    }
-    Ok(out.trim().to_string())
-}
-
 fn epoch_seconds(t: DateTime<Utc>, flag: &str) -> Result<u32> {
     u32::try_from(t.timestamp())
         .map_err(|_| anyhow!("--{flag} {t} is outside what ClickHouse DateTime holds (1970..2106)"))
 }
 
-/// The coarsest grain whose table answers `[from, to)` by `by` exactly: every bucket of
-/// the answer must be a whole number of its buckets, and so must the range.
-pub fn grain_for(by: By, from: u32, to: u32) -> Grain {
-    let fits = |g: Grain| from.is_multiple_of(g.seconds()) && to.is_multiple_of(g.seconds());
-    match by {
-        By::Day if fits(Grain::Day) => Grain::Day,
-        By::Day | By::Hour if fits(Grain::Hour) => Grain::Hour,
-        _ => Grain::Minute,
-    }
+/// What `args` asks of the billing read.
+pub fn request(args: &QueryArgs) -> Result<BillingRequest> {
+    Ok(BillingRequest {
+        from: epoch_seconds(args.from, "from")?,
+        to: epoch_seconds(args.to, "to")?,
+        by: args.by.grain(),
+        ads: args.ads.clone(),
+        topic: args.only_topic.clone(),
+        top: args.top,
+    })
 }
 
 /// The billing SQL for `args`, with the values written in.
 pub fn sql(args: &QueryArgs) -> Result<String> {
-    let from = epoch_seconds(args.from, "from")?;
-    let to = epoch_seconds(args.to, "to")?;
-    if from >= to {
-        bail!("--from must be before --to (the range is [from, to))");
-    }
-    if args.only_topic.as_deref() == Some("") {
-        bail!("--only-topic must not be empty (leave it out for every topic)");
-    }
-    let (table, time) = table_of(grain_for(args.by, from, to));
-    let mut params = vec![
-        ("table", Param::Identifier(table)),
-        ("time", Param::Identifier(time)),
-        ("from", Param::DateTimeUtc(from)),
-        ("to", Param::DateTimeUtc(to)),
-        ("by", Param::String(args.by.as_sql().to_string())),
-        ("all_ads", Param::UInt8(u8::from(args.ads.is_empty()))),
-        ("ads", Param::ArrayUInt64(args.ads.clone())),
-        ("topic", Param::String(args.only_topic.clone().unwrap_or_default())),
-    ];
-    let file = match args.top {
-        None => BILLING_SQL,
-        Some(0) => bail!("--top must be at least 1"),
-        Some(n) => {
-            // One read of `table` through FINAL ranks the ads and gives their buckets.
-            params.push(("top", Param::UInt64(n)));
-            BILLING_TOP_SQL
-        }
-    };
-    substitute(file, &params)
+    billing_sql(&request(args)?).map_err(anyhow::Error::msg)
 }
 
 /// Runs the billing query; rows ordered as [`QueryArgs`] describes.
 pub async fn query(sink: &Sink, args: &QueryArgs) -> Result<Vec<BillingRow>> {
-    // The client treats `?` as a bind marker and `??` as a literal `?`; a topic name
-    // cannot hold one, but an escaped literal must reach the server unchanged anyway.
-    let sql = sql(args)?.replace('?', "??");
-    let fetch = sink.client().query(&sql).fetch_all::<BillingRow>();
-    let rows = tokio::time::timeout(sink.timeout(), fetch)
-        .await
-        .map_err(|_| anyhow!("ClickHouse did not answer within {:?}", sink.timeout()))?
-        .context("billing query failed")?;
+    let request = request(args)?;
+    billing_sql(&request).map_err(anyhow::Error::msg)?;
+    let rows = sink.billing_rows(&request).await.context("billing query failed")?;
     Ok(if args.top.is_some() { by_total_descending(rows) } else { rows })
 }
 
@@ -349,12 +218,6 @@ mod tests {
 
     #[test]
     fn the_coarsest_table_that_answers_exactly_is_read() {
-        let day = 86_400;
-        assert_eq!(grain_for(By::Day, day, 3 * day), Grain::Day);
-        assert_eq!(grain_for(By::Day, day + 3_600, 3 * day), Grain::Hour, "a partial first day");
-        assert_eq!(grain_for(By::Hour, day, 3 * day), Grain::Hour);
-        assert_eq!(grain_for(By::Hour, day + 60, 3 * day), Grain::Minute);
-        assert_eq!(grain_for(By::Minute, day, 3 * day), Grain::Minute);
         let sql = sql(&QueryArgs { by: By::Day, ..args("2026-11-30", "2026-12-01") }).unwrap();
         assert!(sql.contains("FROM `ad_clicks_day` FINAL") && sql.contains("toStartOfDay(`day`)"), "{sql}");
     }
@@ -364,49 +227,6 @@ mod tests {
         assert_eq!(parse_time("2026-11-30").unwrap().to_rfc3339(), "2026-11-30T00:00:00+00:00");
         assert_eq!(parse_time("2026-11-30T09:30:00+01:00").unwrap().to_rfc3339(), "2026-11-30T08:30:00+00:00");
         assert!(parse_time("30/11/2026").is_err());
-    }
-
-    #[test]
-    fn values_are_written_in_as_typed_literals() {
-        let sql = "SELECT {a:UInt64} WHERE t >= {t:DateTime('UTC')} AND has({ads:Array(UInt64)}, x) AND s = {s:String}";
-        let out = substitute(
-            sql,
-            &[
-                ("a", Param::UInt64(7)),
-                ("t", Param::DateTimeUtc(1_795_996_800)),
-                ("ads", Param::ArrayUInt64(vec![1, 2])),
-                ("s", Param::String("it's".into())),
-            ],
-        )
-        .unwrap();
-        assert_eq!(
-            out,
-            "SELECT 7 WHERE t >= toDateTime(1795996800, 'UTC') AND has(CAST([1, 2] AS Array(UInt64)), x) AND s = 'it\\'s'"
-        );
-    }
-
-    #[test]
-    fn an_empty_ad_list_still_has_an_element_type() {
-        assert_eq!(Param::ArrayUInt64(vec![]).literal(), "CAST([] AS Array(UInt64))");
-    }
-
-    #[test]
-    fn a_placeholder_without_a_value_or_with_another_type_is_an_error() {
-        assert!(substitute("SELECT {x:UInt64}", &[]).is_err());
-        assert!(substitute("SELECT {x:String}", &[("x", Param::UInt64(1))]).is_err());
-        assert!(substitute("SELECT {x", &[("x", Param::UInt64(1))]).is_err());
-    }
-
-    #[test]
-    fn a_value_the_sql_does_not_use_is_an_error() {
-        assert!(substitute("SELECT 1", &[("x", Param::UInt64(1))]).is_err());
-    }
-
-    #[test]
-    fn comment_lines_are_dropped_with_the_placeholders_in_their_examples() {
-        let out =
-            substitute("-- run with --param_x={x:UInt64}\nSELECT {x:UInt64}\n", &[("x", Param::UInt64(3))]).unwrap();
-        assert_eq!(out, "SELECT 3");
     }
 
     #[test]

@@ -1,0 +1,246 @@
+//! The billing read: the one way counts are read back, for `clickagg query`, `verify`,
+//! `reconcile` and the tests.
+//!
+//! The SQL lives in `sql/billing.sql` and `sql/billing_top.sql` so that an analyst can
+//! run the very same text with `clickhouse-client --param_…`. Those files use
+//! server-side `{name:Type}` placeholders, which ClickHouse 18.16 does not know, so
+//! the values are written in client-side, as typed literals built only from numbers
+//! and escaped strings ([`substitute`]). Both files read through `FINAL`: a batch row
+//! replaced by a later version is never summed twice. The read takes the coarsest
+//! table that answers exactly ([`grain_for`]).
+
+use clickhouse::Row;
+use serde::Deserialize;
+
+use super::{quote_ident, quote_literal, table_of, Sink, SinkError};
+use crate::aggregate::Grain;
+
+pub const BILLING_SQL: &str = include_str!("../../sql/billing.sql");
+pub const BILLING_TOP_SQL: &str = include_str!("../../sql/billing_top.sql");
+
+/// What to read: clicks per ad and bucket of `by` in `[from, to)` (Unix seconds, UTC),
+/// of the `ads` given (every ad when empty), of one topic or all, optionally only the
+/// `top` ads by their total over the range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BillingRequest {
+    pub from: u32,
+    pub to: u32,
+    pub by: Grain,
+    pub ads: Vec<u64>,
+    pub topic: Option<String>,
+    pub top: Option<u64>,
+}
+
+/// One bucket of one ad.
+#[derive(Debug, Clone, PartialEq, Eq, Row, Deserialize)]
+pub struct BillingRow {
+    pub ad_id: u64,
+    /// Start of the bucket, Unix seconds (UTC).
+    pub bucket: u32,
+    pub clicks: u64,
+}
+
+impl BillingRow {
+    pub fn bucket_rfc3339(&self) -> String {
+        chrono::DateTime::from_timestamp(i64::from(self.bucket), 0)
+            .expect("u32 seconds are always a valid timestamp")
+            .format("%Y-%m-%dT%H:%M:%SZ")
+            .to_string()
+    }
+}
+
+/// A value for one `{name:Type}` placeholder of the SQL files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Param {
+    DateTimeUtc(u32),
+    String(String),
+    UInt8(u8),
+    UInt64(u64),
+    ArrayUInt64(Vec<u64>),
+    Identifier(&'static str),
+}
+
+impl Param {
+    /// The type the placeholder must declare: a file and this code that disagree
+    /// fail loudly instead of comparing, say, a date with a string.
+    fn sql_type(&self) -> &'static str {
+        match self {
+            Param::DateTimeUtc(_) => "DateTime('UTC')",
+            Param::String(_) => "String",
+            Param::UInt8(_) => "UInt8",
+            Param::UInt64(_) => "UInt64",
+            Param::ArrayUInt64(_) => "Array(UInt64)",
+            Param::Identifier(_) => "Identifier",
+        }
+    }
+
+    /// The value as a ClickHouse 18.16-compatible literal. Typed explicitly where the
+    /// bare literal would have another type (an empty `[]` has no element type).
+    /// Plain numbers for the integers: they also have to work after `LIMIT`, and a
+    /// literal 0 or 1 is what 18.16 folds when it picks granules by the primary key.
+    fn literal(&self) -> String {
+        match self {
+            Param::DateTimeUtc(secs) => format!("toDateTime({secs}, 'UTC')"),
+            Param::String(s) => quote_literal(s),
+            Param::UInt8(n) => n.to_string(),
+            Param::UInt64(n) => n.to_string(),
+            Param::ArrayUInt64(v) => {
+                let items: Vec<String> = v.iter().map(u64::to_string).collect();
+                format!("CAST([{}] AS Array(UInt64))", items.join(", "))
+            }
+            Param::Identifier(name) => quote_ident(name),
+        }
+    }
+}
+
+/// Writes `params` into the `{name:Type}` placeholders of `sql` and drops the `--`
+/// comment lines (they show placeholders too, in the examples). Every placeholder must
+/// have a parameter of its declared type, and every parameter must be used.
+pub fn substitute(sql: &str, params: &[(&str, Param)]) -> Result<String, String> {
+    let body: String = sql.lines().filter(|l| !l.trim_start().starts_with("--")).map(|l| format!("{l}\n")).collect();
+    let mut out = String::with_capacity(body.len());
+    let mut used = vec![false; params.len()];
+    let mut rest = body.as_str();
+    while let Some(open) = rest.find('{') {
+        out.push_str(&rest[..open]);
+        let close = rest[open..].find('}').ok_or_else(|| "unclosed '{' in SQL".to_string())? + open;
+        let inner = &rest[open + 1..close];
+        let (name, ty) =
+            inner.split_once(':').ok_or_else(|| format!("'{{{inner}}}' is not a {{name:Type}} placeholder"))?;
+        let i = params
+            .iter()
+            .position(|(n, _)| *n == name.trim())
+            .ok_or_else(|| format!("no value for placeholder {{{inner}}}"))?;
+        let param = &params[i].1;
+        if ty.trim() != param.sql_type() {
+            return Err(format!("placeholder {{{inner}}} does not have the expected type {}", param.sql_type()));
+        }
+        used[i] = true;
+        out.push_str(&param.literal());
+        rest = &rest[close + 1..];
+    }
+    out.push_str(rest);
+    if let Some(i) = used.iter().position(|u| !u) {
+        return Err(format!("parameter {} is not used by the SQL", params[i].0));
+    }
+    Ok(out.trim().to_string())
+}
+
+/// The coarsest grain whose table answers `[from, to)` by `by` exactly: every bucket of
+/// the answer must be a whole number of its buckets, and so must the range.
+pub fn grain_for(by: Grain, from: u32, to: u32) -> Grain {
+    let fits = |g: Grain| from.is_multiple_of(g.seconds()) && to.is_multiple_of(g.seconds());
+    match by {
+        Grain::Day if fits(Grain::Day) => Grain::Day,
+        Grain::Day | Grain::Hour if fits(Grain::Hour) => Grain::Hour,
+        _ => Grain::Minute,
+    }
+}
+
+/// The name of a bucket width in the SQL files' `{by:String}` parameter.
+fn by_name(by: Grain) -> &'static str {
+    match by {
+        Grain::Minute => "minute",
+        Grain::Hour => "hour",
+        Grain::Day => "day",
+    }
+}
+
+/// The billing SQL for `r`, with the values written in.
+pub fn billing_sql(r: &BillingRequest) -> Result<String, String> {
+    if r.from >= r.to {
+        return Err("--from must be before --to (the range is [from, to))".into());
+    }
+    if r.topic.as_deref() == Some("") {
+        return Err("--only-topic must not be empty (leave it out for every topic)".into());
+    }
+    let (table, time) = table_of(grain_for(r.by, r.from, r.to));
+    let mut params = vec![
+        ("table", Param::Identifier(table)),
+        ("time", Param::Identifier(time)),
+        ("from", Param::DateTimeUtc(r.from)),
+        ("to", Param::DateTimeUtc(r.to)),
+        ("by", Param::String(by_name(r.by).to_string())),
+        ("all_ads", Param::UInt8(u8::from(r.ads.is_empty()))),
+        ("ads", Param::ArrayUInt64(r.ads.clone())),
+        ("topic", Param::String(r.topic.clone().unwrap_or_default())),
+    ];
+    let file = match r.top {
+        None => BILLING_SQL,
+        Some(0) => return Err("--top must be at least 1".into()),
+        Some(n) => {
+            // One read of `table` through FINAL ranks the ads and gives their buckets.
+            params.push(("top", Param::UInt64(n)));
+            BILLING_TOP_SQL
+        }
+    };
+    substitute(file, &params)
+}
+
+impl Sink {
+    /// The billing counts `r` asks for, as the SQL files order them.
+    pub async fn billing_rows(&self, r: &BillingRequest) -> Result<Vec<BillingRow>, SinkError> {
+        // The client treats `?` as a bind marker and `??` as a literal `?`; a topic name
+        // cannot hold one, but an escaped literal must reach the server unchanged anyway.
+        let sql = billing_sql(r).map_err(SinkError::Fatal)?.replace('?', "??");
+        self.timed(self.client.query(&sql).fetch_all::<BillingRow>()).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_are_written_in_as_typed_literals() {
+        let sql = "SELECT {a:UInt64} WHERE t >= {t:DateTime('UTC')} AND has({ads:Array(UInt64)}, x) AND s = {s:String}";
+        let out = substitute(
+            sql,
+            &[
+                ("a", Param::UInt64(7)),
+                ("t", Param::DateTimeUtc(1_795_996_800)),
+                ("ads", Param::ArrayUInt64(vec![1, 2])),
+                ("s", Param::String("it's".into())),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            "SELECT 7 WHERE t >= toDateTime(1795996800, 'UTC') AND has(CAST([1, 2] AS Array(UInt64)), x) AND s = 'it\\'s'"
+        );
+    }
+
+    #[test]
+    fn an_empty_ad_list_still_has_an_element_type() {
+        assert_eq!(Param::ArrayUInt64(vec![]).literal(), "CAST([] AS Array(UInt64))");
+    }
+
+    #[test]
+    fn a_placeholder_without_a_value_or_with_another_type_is_an_error() {
+        assert!(substitute("SELECT {x:UInt64}", &[]).is_err());
+        assert!(substitute("SELECT {x:String}", &[("x", Param::UInt64(1))]).is_err());
+        assert!(substitute("SELECT {x", &[("x", Param::UInt64(1))]).is_err());
+    }
+
+    #[test]
+    fn a_value_the_sql_does_not_use_is_an_error() {
+        assert!(substitute("SELECT 1", &[("x", Param::UInt64(1))]).is_err());
+    }
+
+    #[test]
+    fn comment_lines_are_dropped_with_the_placeholders_in_their_examples() {
+        let out =
+            substitute("-- run with --param_x={x:UInt64}\nSELECT {x:UInt64}\n", &[("x", Param::UInt64(3))]).unwrap();
+        assert_eq!(out, "SELECT 3");
+    }
+
+    #[test]
+    fn the_coarsest_table_that_answers_exactly_is_read() {
+        let day = 86_400;
+        assert_eq!(grain_for(Grain::Day, day, 3 * day), Grain::Day);
+        assert_eq!(grain_for(Grain::Day, day + 3_600, 3 * day), Grain::Hour, "a partial first day");
+        assert_eq!(grain_for(Grain::Hour, day, 3 * day), Grain::Hour);
+        assert_eq!(grain_for(Grain::Hour, day + 60, 3 * day), Grain::Minute);
+        assert_eq!(grain_for(Grain::Minute, day, 3 * day), Grain::Minute);
+    }
+}

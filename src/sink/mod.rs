@@ -1,0 +1,200 @@
+//! The ClickHouse sink: a handle on one database ([`Sink`]) and what clickagg asks of
+//! it, one file each — the error classes ([`error`]), the tables and their cluster
+//! form ([`schema`]), the writes of a flush ([`write`]), the reads ([`read`]) and the
+//! per-topic registries ([`registry`]).
+//!
+//! The client is configured for every server the project supports: no compression
+//! (the Debian 18.16 server's HTTP handler fails on the crate's LZ4 frames and the
+//! SELECT comes back empty without an error) and no schema validation (18.16 has no
+//! `RowBinaryWithNamesAndTypes`). Every value a request carries is bound (`?`), never
+//! spliced into the SQL; only identifiers (table, database and cluster names) are
+//! quoted into it.
+
+pub mod billing;
+mod error;
+mod read;
+mod registry;
+mod schema;
+mod write;
+
+use std::time::Duration;
+
+use clickhouse::{Client, Compression};
+
+pub use error::{class_of, classify, Class, SinkError, CODES};
+pub use read::{Billing, LastFlush};
+pub use registry::{RulesHistory, RulesVersion, REGISTRATION_SETTLE_SECS};
+pub use schema::{cluster_statements, MIGRATIONS, SHARDING};
+pub use write::MAX_MONTHS_PER_INSERT;
+
+use crate::aggregate::Grain;
+use crate::config::ClickHouseSettings;
+
+pub const TABLE: &str = "ad_clicks_minute";
+
+/// The table and time column of each grain.
+pub fn table_of(grain: Grain) -> (&'static str, &'static str) {
+    match grain {
+        Grain::Minute => (TABLE, "minute"),
+        Grain::Hour => ("ad_clicks_hour", "hour"),
+        Grain::Day => ("ad_clicks_day", "day"),
+    }
+}
+
+/// Who writes a row. Rows of a live member outrank a replay's at the same offset: a
+/// replay that read a cross-partition copy before any member did counted it by its own
+/// partition's rule, while the member that reads it decides (and pins) which copy
+/// counts. Everything else they decide alike, so the rank only settles that race.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writer {
+    Replay = 0,
+    Member = 1,
+}
+
+/// The stored `version` of a row cut at `offset`: twice the offset, plus the writer's rank.
+pub fn stored_version(offset: i64, writer: Writer) -> u64 {
+    (offset.max(0) as u64) * 2 + writer as u64
+}
+
+/// A handle on one ClickHouse database. Cheap to clone.
+#[derive(Clone)]
+pub struct Sink {
+    client: Client,
+    server: Client,
+    database: String,
+    timeout: Duration,
+    /// The cluster the tables live on (`clickhouse.cluster`), for the DDL.
+    cluster: Option<String>,
+}
+
+impl Sink {
+    pub fn new(s: &ClickHouseSettings) -> Sink {
+        // Settings are validated when they load, the endpoint with them.
+        let endpoint = s.endpoint().expect("clickhouse.url is checked by Settings::validate");
+        // Idle connections close before ClickHouse's own 3 s keep-alive timeout does.
+        let builder = || {
+            let mut b = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new());
+            b.pool_idle_timeout(Duration::from_secs(2));
+            b
+        };
+        let base = match &s.tls_ca_file {
+            Some(ca) => Client::with_http_client(builder().build(https_connector_trusting(ca))),
+            None if endpoint.url.starts_with("https://") => Client::default(),
+            // Plain HTTP needs no TLS connector, whose set-up (loading the system's CA
+            // bundle) costs a `clickagg query` about 60 ms of its start-up.
+            None => {
+                Client::with_http_client(builder().build(hyper_util::client::legacy::connect::HttpConnector::new()))
+            }
+        };
+        let mut server = base
+            .with_url(endpoint.url)
+            .with_user(endpoint.user)
+            .with_compression(Compression::None)
+            .with_validation(false);
+        if let Some(password) = &endpoint.password {
+            server = server.with_password(password.expose());
+        }
+        if s.cluster.is_some() {
+            // An INSERT into a Distributed table answers once every shard holds its rows,
+            // not once they are queued on this node to be sent later: a flush is durable
+            // only then, and only then may its offsets be committed.
+            server = server.with_option("insert_distributed_sync", "1");
+            let quorum = s.quorum();
+            if quorum > 0 {
+                // ...and on `quorum` replicas of each shard, so losing the one that took
+                // the insert loses no row (ClickHouse replicates asynchronously).
+                server = server
+                    .with_option("insert_quorum", quorum.to_string())
+                    .with_option("insert_quorum_timeout", s.insert_quorum_timeout.as_millis().to_string());
+            }
+        }
+        let client = server.clone().with_database(s.database.as_str());
+        Sink { client, server, database: s.database.clone(), timeout: s.request_timeout, cluster: s.cluster.clone() }
+    }
+
+    /// The cluster the tables live on, if any.
+    pub fn cluster(&self) -> Option<&str> {
+        self.cluster.as_deref()
+    }
+
+    pub fn database(&self) -> &str {
+        &self.database
+    }
+
+    /// The client bound to the configured database, for read-only commands (`query`).
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The configured request timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    async fn timed<T>(
+        &self,
+        fut: impl std::future::Future<Output = clickhouse::error::Result<T>>,
+    ) -> Result<T, SinkError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(r) => r.map_err(classify),
+            Err(_) => Err(SinkError::Transient(format!("no answer within {:?}", self.timeout))),
+        }
+    }
+
+    /// Runs one statement in the configured database.
+    pub async fn execute(&self, sql: &str) -> Result<(), SinkError> {
+        self.timed(self.client.query(sql).execute()).await
+    }
+
+    /// Round trip for readiness checks.
+    pub async fn ping(&self) -> Result<(), SinkError> {
+        self.timed(self.client.query("SELECT 1").fetch_one::<u8>()).await.map(drop)
+    }
+}
+
+/// An HTTP(S) connector that also trusts the CA in `ca_file` (PEM). The file was checked
+/// when the settings were loaded; a certificate that does not parse is fatal here.
+fn https_connector_trusting(
+    ca_file: &std::path::Path,
+) -> hyper_tls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector> {
+    use hyper_util::client::legacy::connect::HttpConnector;
+    let pem = std::fs::read(ca_file).unwrap_or_else(|e| panic!("clickhouse.tls_ca_file {}: {e}", ca_file.display()));
+    let ca = native_tls::Certificate::from_pem(&pem)
+        .unwrap_or_else(|e| panic!("clickhouse.tls_ca_file {}: not a PEM certificate: {e}", ca_file.display()));
+    let tls = native_tls::TlsConnector::builder()
+        .add_root_certificate(ca)
+        .build()
+        .expect("a TLS connector with one extra root certificate");
+    let mut http = HttpConnector::new();
+    http.enforce_http(false);
+    http.set_keepalive(Some(Duration::from_secs(60)));
+    hyper_tls::HttpsConnector::from((http, tls.into()))
+}
+
+/// Quotes an identifier with backticks (database names come from configuration).
+pub fn quote_ident(name: &str) -> String {
+    format!("`{}`", name.replace('\\', "\\\\").replace('`', "\\`"))
+}
+
+/// Quotes a string literal.
+pub fn quote_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_grain_has_its_table() {
+        let tables: Vec<&str> = Grain::ALL.iter().map(|&g| table_of(g).0).collect();
+        assert_eq!(tables, ["ad_clicks_minute", "ad_clicks_hour", "ad_clicks_day"]);
+        assert_eq!(schema::statements(MIGRATIONS[3].1).len(), 2);
+    }
+
+    #[test]
+    fn literals_and_identifiers_are_escaped() {
+        assert_eq!(quote_literal("a'b\\"), "'a\\'b\\\\'");
+        assert_eq!(quote_ident("we`ird"), "`we\\`ird`");
+    }
+}

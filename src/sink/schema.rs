@@ -1,0 +1,234 @@
+//! The tables: the migrations in `sql/`, applied by `clickagg migrate`; their cluster
+//! form (replicated local tables and a `Distributed` table over them); and the one-off
+//! backfills of tables added later.
+
+use super::{classify, quote_ident, quote_literal, table_of, Sink, SinkError, TABLE};
+use crate::aggregate::Grain;
+
+/// The DDL in `sql/`, applied in order by `clickagg migrate`.
+pub const MIGRATIONS: &[(&str, &str)] = &[
+    ("001_ad_clicks_minute.sql", include_str!("../../sql/001_ad_clicks_minute.sql")),
+    ("002_clickagg_topics.sql", include_str!("../../sql/002_clickagg_topics.sql")),
+    ("003_clickagg_pins.sql", include_str!("../../sql/003_clickagg_pins.sql")),
+    ("004_ad_clicks_rollups.sql", include_str!("../../sql/004_ad_clicks_rollups.sql")),
+    ("005_clickagg_backfills.sql", include_str!("../../sql/005_clickagg_backfills.sql")),
+    ("006_clickagg_clocks.sql", include_str!("../../sql/006_clickagg_clocks.sql")),
+    ("007_clickagg_settings.sql", include_str!("../../sql/007_clickagg_settings.sql")),
+];
+
+/// On a ClickHouse cluster, how the rows of each table the migrations create are spread
+/// over the shards (the `Distributed` table's sharding key). Billing reads `FINAL` per
+/// shard and sums across shards, so every version of a row and every row of one (ad,
+/// time bucket) must land on the same shard: all of them share the `ad_id`. The pins
+/// of a partition stay together for its reads; a topic's batch-size registrations on one
+/// shard make the earliest one visible to every member that reads them.
+pub const SHARDING: &[(&str, &str)] = &[
+    (TABLE, "cityHash64(ad_id)"),
+    ("ad_clicks_hour", "cityHash64(ad_id)"),
+    ("ad_clicks_day", "cityHash64(ad_id)"),
+    ("clickagg_pins", "cityHash64(topic, partition)"),
+    ("clickagg_topics", "cityHash64(topic)"),
+    ("clickagg_backfills", "cityHash64(name)"),
+    ("clickagg_clocks", "cityHash64(topic, partition)"),
+    ("clickagg_settings", "cityHash64(topic)"),
+];
+
+impl Sink {
+    /// Creates the database and applies every migration; safe to run any number of times.
+    /// On a cluster (`clickhouse.cluster`) every table is created `ON CLUSTER`: a
+    /// replicated table `<name>_local` on every node and a `Distributed` table `<name>`
+    /// over them, which everything else reads and writes ([`cluster_statements`]).
+    pub async fn migrate(&self) -> Result<Vec<&'static str>, SinkError> {
+        let on_cluster = self.cluster.as_deref().map(|c| format!(" ON CLUSTER {}", quote_ident(c))).unwrap_or_default();
+        let create_db = format!("CREATE DATABASE IF NOT EXISTS {}{on_cluster}", quote_ident(&self.database));
+        self.timed(self.server.query(&create_db).execute()).await?;
+        let mut applied = Vec::new();
+        for (name, sql) in MIGRATIONS {
+            for statement in statements(sql) {
+                match &self.cluster {
+                    None => self.execute(&statement).await?,
+                    Some(cluster) => {
+                        let forms = cluster_statements(&statement, &self.database, cluster)
+                            .map_err(|e| SinkError::Fatal(format!("migration {name}: {e}")))?;
+                        for statement in forms {
+                            self.execute(&statement).await?;
+                        }
+                    }
+                }
+            }
+            applied.push(*name);
+        }
+        for grain in [Grain::Hour, Grain::Day] {
+            if self.backfill(grain).await? {
+                applied.push(match grain {
+                    Grain::Hour => "backfill of ad_clicks_hour",
+                    _ => "backfill of ad_clicks_day",
+                });
+            }
+        }
+        Ok(applied)
+    }
+
+    /// Fills a roll-up from the minute rows written before it existed, once (recorded
+    /// in `clickagg_backfills`): per batch and hour (or day), the sum of the batch's
+    /// latest minute rows, with the latest of their versions — the row the flush itself
+    /// writes for that batch and hour, so rows the flush already wrote are replaced by
+    /// equal ones, and an interrupted backfill is simply run again. Returns whether it
+    /// wrote anything.
+    async fn backfill(&self, grain: Grain) -> Result<bool, SinkError> {
+        let (table, time) = table_of(grain);
+        let done = "SELECT count() FROM clickagg_backfills FINAL WHERE name = ?";
+        if self.timed(self.client.query(done).bind(table).fetch_one::<u64>()).await? > 0 {
+            return Ok(false);
+        }
+        let minute_rows = format!("SELECT count() FROM {TABLE}");
+        let wrote = self.timed(self.client.query(&minute_rows).fetch_one::<u64>()).await? > 0;
+        if wrote {
+            tracing::info!(table, "backfilling from the minute rows (minutes for a large table)");
+            let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
+            let fill = format!(
+                "INSERT INTO {table} (ad_id, {time}, topic, partition, batch_start, clicks, version) \
+                 SELECT ad_id, {start}(minute) AS {time}, topic, partition, batch_start, sum(clicks), max(version) \
+                 FROM {TABLE} FINAL GROUP BY ad_id, {time}, topic, partition, batch_start"
+            );
+            // Not bounded by clickhouse.timeout: it reads every minute row once.
+            self.client.query(&fill).execute().await.map_err(classify)?;
+        }
+        let record = "INSERT INTO clickagg_backfills (name) VALUES (?)";
+        self.timed(self.client.query(record).bind(table).execute()).await?;
+        Ok(wrote)
+    }
+}
+
+/// The cluster form of one migration statement: a `CREATE TABLE IF NOT EXISTS <t> (…)
+/// ENGINE = <E>(<args>) …` becomes, `ON CLUSTER cluster`, the replicated table
+/// `<t>_local` (engine `Replicated<E>` keeping its arguments, its data in ZooKeeper under
+/// `/clickhouse/tables/{shard}/<database>/<t>_local`, one replica per node `{replica}`:
+/// the cluster's macros) and the `Distributed` table `<t>` over it, sharded by
+/// [`SHARDING`]. The columns, sorting key and partitioning stay those of the single-node
+/// file, so the two forms cannot drift apart. Any other statement has no cluster form.
+pub fn cluster_statements(statement: &str, database: &str, cluster: &str) -> Result<Vec<String>, String> {
+    let rest = statement
+        .strip_prefix("CREATE TABLE IF NOT EXISTS ")
+        .ok_or_else(|| format!("only CREATE TABLE IF NOT EXISTS has a cluster form, not {:.40}…", statement))?;
+    let name: String = rest.chars().take_while(|c| c.is_ascii_alphanumeric() || *c == '_').collect();
+    let columns_and_engine = &rest[name.len()..];
+    let at = columns_and_engine.find("ENGINE = ").ok_or_else(|| format!("table {name} has no ENGINE = clause"))?;
+    let (columns, engine_clause) = columns_and_engine.split_at(at);
+    let engine_clause = &engine_clause["ENGINE = ".len()..];
+    let engine_end = engine_clause.find(char::is_whitespace).unwrap_or(engine_clause.len());
+    let (engine, settings) = engine_clause.split_at(engine_end);
+    let (engine_name, args) = match engine.split_once('(') {
+        Some((n, a)) => (n, a.trim_end_matches(')')),
+        None => (engine, ""),
+    };
+    if !engine_name.ends_with("MergeTree") {
+        return Err(format!("table {name} has engine {engine_name}, which has no replicated form"));
+    }
+    let key = SHARDING
+        .iter()
+        .find(|(t, _)| *t == name)
+        .map(|(_, k)| *k)
+        .ok_or_else(|| format!("table {name} has no sharding key in sink::SHARDING"))?;
+    let local = format!("{name}_local");
+    let (db, on) = (quote_ident(database), format!("ON CLUSTER {}", quote_ident(cluster)));
+    let zk_path = quote_literal(&format!("/clickhouse/tables/{{shard}}/{database}/{local}"));
+    let args = if args.is_empty() { String::new() } else { format!(", {args}") };
+    Ok(vec![
+        format!(
+            "CREATE TABLE IF NOT EXISTS {db}.{local} {on}{columns}ENGINE = Replicated{engine_name}({zk_path}, '{{replica}}'{args}){settings}"
+        ),
+        format!(
+            "CREATE TABLE IF NOT EXISTS {db}.{name} {on} AS {db}.{local} ENGINE = Distributed({}, {db}, {local}, {key})",
+            quote_ident(cluster)
+        ),
+    ])
+}
+
+/// Splits a migration file into statements (`;` at the end of a line ends one).
+pub(super) fn statements(sql: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut current = String::new();
+    for line in sql.lines() {
+        let trimmed = line.trim();
+        if trimmed.starts_with("--") || trimmed.is_empty() {
+            continue;
+        }
+        current.push_str(line);
+        current.push('\n');
+        if trimmed.ends_with(';') {
+            out.push(current.trim().trim_end_matches(';').to_string());
+            current.clear();
+        }
+    }
+    if !current.trim().is_empty() {
+        out.push(current.trim().to_string());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_table_the_migrations_create_has_a_cluster_form() {
+        let mut tables = Vec::new();
+        for (name, sql) in MIGRATIONS {
+            for statement in statements(sql) {
+                let forms = cluster_statements(&statement, "db", "c").unwrap_or_else(|e| panic!("{name}: {e}"));
+                assert_eq!(forms.len(), 2);
+                assert!(
+                    forms[0].contains("ENGINE = Replicated") && forms[0].contains("ON CLUSTER `c`"),
+                    "{}",
+                    forms[0]
+                );
+                assert!(forms[1].contains("ENGINE = Distributed(`c`, `db`, "), "{}", forms[1]);
+                tables.push(forms[1].split(' ').nth(5).unwrap().to_string());
+            }
+        }
+        assert_eq!(
+            tables,
+            [
+                "`db`.ad_clicks_minute",
+                "`db`.clickagg_topics",
+                "`db`.clickagg_pins",
+                "`db`.ad_clicks_hour",
+                "`db`.ad_clicks_day",
+                "`db`.clickagg_backfills",
+                "`db`.clickagg_clocks",
+                "`db`.clickagg_settings"
+            ]
+        );
+        for grain in Grain::ALL {
+            assert!(SHARDING.iter().any(|(t, k)| *t == table_of(grain).0 && *k == "cityHash64(ad_id)"));
+        }
+    }
+
+    #[test]
+    fn a_cluster_table_keeps_the_columns_keys_and_engine_arguments_of_the_single_node_one() {
+        let minute = &statements(MIGRATIONS[0].1)[0];
+        let forms = cluster_statements(minute, "clickagg", "clickagg_cluster").unwrap();
+        assert!(forms[0].starts_with("CREATE TABLE IF NOT EXISTS `clickagg`.ad_clicks_minute_local ON CLUSTER `clickagg_cluster`\n(\n    ad_id       UInt64,"), "{}", forms[0]);
+        assert!(forms[0].contains(
+            "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/clickagg/ad_clicks_minute_local', '{replica}', version)\nPARTITION BY toYYYYMM(minute)\nORDER BY (ad_id, minute, topic, partition, batch_start)"
+        ), "{}", forms[0]);
+        assert_eq!(
+            forms[1],
+            "CREATE TABLE IF NOT EXISTS `clickagg`.ad_clicks_minute ON CLUSTER `clickagg_cluster` AS `clickagg`.ad_clicks_minute_local \
+             ENGINE = Distributed(`clickagg_cluster`, `clickagg`, ad_clicks_minute_local, cityHash64(ad_id))"
+        );
+        // An engine without arguments gets only the replication ones.
+        let topics = cluster_statements(&statements(MIGRATIONS[1].1)[0], "d", "c").unwrap();
+        assert!(topics[0].contains("ENGINE = ReplicatedMergeTree('/clickhouse/tables/{shard}/d/clickagg_topics_local', '{replica}')\nORDER BY topic"), "{}", topics[0]);
+        assert!(cluster_statements("ALTER TABLE t ADD COLUMN x UInt8", "d", "c").is_err());
+    }
+
+    #[test]
+    fn migrations_split_into_statements_without_comments() {
+        let s = statements(MIGRATIONS[0].1);
+        assert_eq!(s.len(), 1);
+        assert!(s[0].starts_with("CREATE TABLE IF NOT EXISTS ad_clicks_minute"));
+        assert!(!s[0].ends_with(';'));
+    }
+}

@@ -1,0 +1,244 @@
+//! The writes of a flush: pins, clock checkpoints, then the rows of every grain (the
+//! roll-ups first, the minute rows last), each idempotent.
+
+use std::collections::HashMap;
+
+use clickhouse::Row;
+use serde::{Deserialize, Serialize};
+
+use super::{stored_version, table_of, Sink, SinkError, Writer, TABLE};
+use crate::aggregate::{BatchRow, Grain, PinRow};
+use crate::click::Minute;
+use crate::dedup::Checkpoint;
+
+/// A row of each table; the time column is named after its grain.
+macro_rules! row_out {
+    ($name:ident, $time:ident) => {
+        #[derive(Row, Serialize)]
+        struct $name<'a> {
+            ad_id: u64,
+            $time: u32,
+            topic: &'a str,
+            partition: u32,
+            batch_start: u64,
+            clicks: u64,
+            version: u64,
+        }
+
+        impl<'a> $name<'a> {
+            fn of(r: &BatchRow, topic: &'a str, writer: Writer) -> Self {
+                $name {
+                    ad_id: r.key.ad_id,
+                    $time: r.key.minute.epoch_seconds(),
+                    topic,
+                    partition: r.partition as u32,
+                    batch_start: r.batch_start as u64,
+                    clicks: r.clicks,
+                    version: stored_version(r.version, writer),
+                }
+            }
+        }
+    };
+}
+row_out!(MinuteOut, minute);
+row_out!(HourOut, hour);
+row_out!(DayOut, day);
+
+#[derive(Row, Serialize, Deserialize)]
+struct PinOut<'a> {
+    topic: &'a str,
+    partition: u32,
+    offset: u64,
+    verdict: u8,
+}
+
+#[derive(Row, Serialize)]
+struct ClockRow<'a> {
+    topic: &'a str,
+    partition: u32,
+    boundary: u64,
+    clock: u32,
+    has_clock: u8,
+    pending: u32,
+    has_pending: u8,
+}
+
+impl<'a> ClockRow<'a> {
+    fn of(topic: &'a str, c: &Checkpoint) -> ClockRow<'a> {
+        ClockRow {
+            topic,
+            partition: c.partition as u32,
+            boundary: c.boundary as u64,
+            clock: c.clock.get().unwrap_or(0),
+            has_clock: u8::from(c.clock.get().is_some()),
+            pending: c.clock.pending().unwrap_or(0),
+            has_pending: u8::from(c.clock.pending().is_some()),
+        }
+    }
+}
+
+impl Sink {
+    /// Records cross-partition decisions. Idempotent: a re-read that makes one again
+    /// writes the same row.
+    pub async fn insert_pins(&self, topic: &str, pins: &[PinRow]) -> Result<(), SinkError> {
+        if pins.is_empty() {
+            return Ok(());
+        }
+        let write = async {
+            let mut insert = self.client.insert::<PinOut>("clickagg_pins").await?;
+            for p in pins {
+                let row =
+                    PinOut { topic, partition: p.partition as u32, offset: p.offset as u64, verdict: p.pin as u8 };
+                insert.write(&row).await?;
+            }
+            insert.end().await
+        };
+        self.timed(write).await
+    }
+
+    /// Records partition clocks at batch boundaries. Idempotent: every reader that
+    /// crosses a boundary computes the same clock there.
+    pub async fn insert_clocks(&self, topic: &str, clocks: &[Checkpoint]) -> Result<(), SinkError> {
+        if clocks.is_empty() {
+            return Ok(());
+        }
+        let write = async {
+            let mut insert = self.client.insert::<ClockRow>("clickagg_clocks").await?;
+            for c in clocks {
+                insert.write(&ClockRow::of(topic, c)).await?;
+            }
+            insert.end().await
+        };
+        self.timed(write).await
+    }
+
+    /// Writes one flush. Idempotent: the rows carry their batch ID and version.
+    /// Rows of every grain go to their table: the roll-ups first, the minute rows last,
+    /// so that once the minute rows are there, so is everything derived from them.
+    pub async fn insert(&self, topic: &str, rows: &[BatchRow], writer: Writer) -> Result<(), SinkError> {
+        // One INSERT per table and per block of at most MAX_MONTHS_PER_INSERT months.
+        macro_rules! write {
+            ($out:ident, $table:expr, $block:expr) => {
+                self.timed(async {
+                    let mut insert = self.client.insert::<$out>($table).await?;
+                    for r in $block {
+                        insert.write(&$out::of(r, topic, writer)).await?;
+                    }
+                    insert.end().await
+                })
+                .await?
+            };
+        }
+        tracing::debug!(rows = rows.len(), "flushing");
+        for grain in [Grain::Day, Grain::Hour, Grain::Minute] {
+            for block in insert_blocks(rows.iter().filter(|r| r.grain == grain)) {
+                match grain {
+                    Grain::Day => write!(DayOut, table_of(grain).0, block),
+                    Grain::Hour => write!(HourOut, table_of(grain).0, block),
+                    Grain::Minute => write!(MinuteOut, TABLE, block),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The most `toYYYYMM(minute)` partitions of the table one INSERT may write: current
+/// ClickHouse refuses a block over more (`max_partitions_per_insert_block`, default
+/// 100) with code 252, whatever the retry.
+pub const MAX_MONTHS_PER_INSERT: usize = 100;
+
+/// `toYYYYMM(minute)`: the table's partition of a row.
+fn year_month(minute: Minute) -> u32 {
+    use chrono::Datelike;
+    let t = chrono::DateTime::from_timestamp(i64::from(minute.epoch_seconds()), 0)
+        .expect("u32 seconds are always a valid timestamp");
+    t.year() as u32 * 100 + t.month()
+}
+
+/// The INSERT blocks of one flush: each holds the rows of at most
+/// [`MAX_MONTHS_PER_INSERT`] months, in flush order; months are taken in the order
+/// their first row appears. A flush within 100 months stays one INSERT.
+///
+/// Writing a flush in several INSERTs keeps it idempotent: every row carries its batch
+/// ID and version, so a retry after a failure between blocks writes the blocks already
+/// written again, harmlessly, and nothing is committed until all are written.
+fn insert_blocks<'a>(rows: impl IntoIterator<Item = &'a BatchRow>) -> Vec<Vec<&'a BatchRow>> {
+    let mut blocks: Vec<Vec<&BatchRow>> = Vec::new();
+    let mut block_of_month: HashMap<u32, usize> = HashMap::new();
+    let mut months_in_last_block = 0;
+    for r in rows {
+        let month = year_month(r.key.minute);
+        let block = match block_of_month.get(&month) {
+            Some(&b) => b,
+            None => {
+                if blocks.is_empty() || months_in_last_block == MAX_MONTHS_PER_INSERT {
+                    blocks.push(Vec::new());
+                    months_in_last_block = 0;
+                }
+                months_in_last_block += 1;
+                block_of_month.insert(month, blocks.len() - 1);
+                blocks.len() - 1
+            }
+        };
+        blocks[block].push(r);
+    }
+    blocks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::aggregate::BucketKey;
+    fn row(ad_id: u64, minute: Minute) -> BatchRow {
+        BatchRow {
+            key: BucketKey { ad_id, minute },
+            grain: Grain::Minute,
+            partition: 0,
+            batch_start: 0,
+            clicks: 1,
+            version: 0,
+        }
+    }
+
+    /// The first minute of the `n`th month after January 2000 (UTC).
+    fn month(n: u32) -> Minute {
+        let start = chrono::NaiveDate::from_ymd_opt(2000 + (n / 12) as i32, n % 12 + 1, 1).unwrap();
+        Minute::from_epoch_seconds(start.and_hms_opt(0, 0, 0).unwrap().and_utc().timestamp() as u32)
+    }
+
+    #[test]
+    fn a_flush_over_more_than_100_months_is_split_into_inserts_of_at_most_100_in_row_order() {
+        // 250 months, interleaved: rows of one month are far apart in the flush.
+        let rows: Vec<BatchRow> = (0..1000u64).map(|i| row(i, month((i * 7 % 250) as u32))).collect();
+        let blocks = insert_blocks(&rows);
+        assert_eq!(blocks.len(), 3);
+        let mut seen = Vec::new();
+        for block in &blocks {
+            let months: std::collections::BTreeSet<u32> = block.iter().map(|r| year_month(r.key.minute)).collect();
+            assert!(months.len() <= MAX_MONTHS_PER_INSERT, "{} months in one insert", months.len());
+            // Each block keeps the flush's order.
+            assert!(block.windows(2).all(|w| w[0].key.ad_id < w[1].key.ad_id));
+            seen.extend(block.iter().map(|r| r.key.ad_id));
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, (0..1000).collect::<Vec<_>>(), "every row exactly once");
+    }
+
+    #[test]
+    fn a_flush_within_100_months_stays_one_insert_in_flush_order() {
+        let rows: Vec<BatchRow> = (0..500u64).map(|i| row(i, month((i % 100) as u32))).collect();
+        let blocks = insert_blocks(&rows);
+        assert_eq!(blocks.len(), 1);
+        assert!(blocks[0].iter().map(|r| r.key.ad_id).eq(0..500));
+        assert!(insert_blocks(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn months_are_utc_calendar_months() {
+        assert_eq!(year_month(month(0)), 200001);
+        assert_eq!(year_month(month(13)), 200102);
+        assert_eq!(year_month(Minute::from_epoch_seconds(1_764_460_740)), 202511); // 2025-11-29T23:59Z
+        assert_eq!(year_month(Minute::from_epoch_seconds(u32::MAX)), 210602);
+    }
+}
