@@ -23,30 +23,14 @@ use rdkafka::error::KafkaResult;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info_span, warn, Instrument};
 
-use crate::aggregate::Flush;
 use crate::dead_letter::DeadLetters;
 use crate::dedup::SharedCache;
 use crate::health::Health;
+pub use crate::pipeline::Job;
 use crate::retry::{FatalSignal, Retry, Retryable, Stopped};
 use crate::sink::{Sink, SinkError, Writer};
 use crate::source::Record;
 use crate::telemetry::{self as t, RateLimiter};
-
-/// One flush on its way to ClickHouse.
-pub struct Job {
-    pub flush: Flush,
-    /// Partition clocks at the batch boundaries crossed since the last cut: written
-    /// before the commits that pass them.
-    pub clocks: Vec<crate::dedup::Checkpoint>,
-    /// Rejected records read before this flush was cut: acknowledged before its commit.
-    pub dead_letters: Vec<Record>,
-    /// Counted clicks by record timestamp: how fresh the counts are once durable.
-    pub freshness: t::ClicksByTenth,
-    /// Minute buckets this flush carries, for the member's unflushed count.
-    pub buckets: usize,
-    /// `Sync` for revokes and shutdown: the commit must be done when the drain ends.
-    pub commit_mode: CommitMode,
-}
 
 /// Sends the commits a durable flush allows (the group consumer's `commit`).
 pub type Committer = Box<dyn Fn(&BTreeMap<i32, i64>, CommitMode) -> KafkaResult<()> + Send + Sync>;

@@ -37,7 +37,8 @@ use crate::dead_letter::DeadLetters;
 use crate::dedup::{Claimer, DedupError, Lost, Recovery, Verdicts};
 use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
-use crate::pipeline::{stopped_while, until_done, Exit, PipelineError, Prepared, Stages, StagesConfig};
+use crate::pipeline::{Prepared, Stages, StagesConfig};
+use crate::planner::{stopped_while, until_done, PipelineError, Planner};
 use crate::position::Start;
 use crate::retry::{FatalSignal, Retry, Stopped};
 use crate::sink::{Sink, Writer};
@@ -48,6 +49,7 @@ use crate::telemetry::{self as t, RateLimiter};
 /// callbacks into the pipeline.
 pub struct GroupContext {
     stages: Arc<Mutex<Stages>>,
+    planner: Arc<Mutex<Planner>>,
     flusher: Arc<Flusher>,
     topic: String,
     runtime: Handle,
@@ -86,8 +88,7 @@ impl GroupContext {
     ) -> Option<Vec<(Start, crate::pipeline::RecordedPins)>> {
         let mut retry = Retry::new(self.max_backoff, &self.shutdown);
         loop {
-            let planned =
-                self.block_on(async { self.stages.lock().await.plan_shared_starts(consumer, partitions).await });
+            let planned = self.block_on(async { self.planner.lock().await.plan_starts(consumer, partitions).await });
             let e = match planned {
                 Ok(starts) => return Some(starts),
                 Err(e) => e,
@@ -228,6 +229,16 @@ const REWIND_PAUSE: Duration = Duration::from_millis(300);
 
 const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How a member ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Everything read was flushed and committed.
+    Drained,
+    /// The drain timeout passed first; nothing unflushed was committed, and the next
+    /// owner re-reads the open batches.
+    DrainTimedOut,
+}
+
 /// Everything a member needs that is built before the loop starts.
 pub struct Member {
     pub settings: Settings,
@@ -302,11 +313,20 @@ impl Member {
             fatal: fatal.clone(),
         }));
         let (claimer, verdicts) = Claimer::start(cache.handle(), s.pipeline.max_backoff, self.health.clone());
-        let stages_config = StagesConfig { rules: Some(rules), ..StagesConfig::from_settings(s) };
-        let stages = Arc::new(Mutex::new(Stages::new(stages_config, Some(cache), sink, self.health.clone())));
+        let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.clone())));
+        let planner = Arc::new(Mutex::new(Planner::new(
+            &s.kafka.topic,
+            sink,
+            Some(cache),
+            s.batch_offsets(),
+            s.rules().window(),
+            s.dedup.max_record_lag,
+            Some(rules),
+        )));
         let paused = Arc::new(AtomicBool::new(false));
         let context = GroupContext {
             stages: stages.clone(),
+            planner: planner.clone(),
             flusher: flusher.clone(),
             topic: s.kafka.topic.clone(),
             runtime: Handle::current(),
@@ -325,6 +345,7 @@ impl Member {
         let parts = Loop {
             consumer: &consumer,
             stages: &stages,
+            planner: &planner,
             flusher: &flusher,
             claimer,
             verdicts,
@@ -370,6 +391,7 @@ fn committer(cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>>, topic: Str
 struct Loop<'a> {
     consumer: &'a StreamConsumer<GroupContext>,
     stages: &'a Mutex<Stages>,
+    planner: &'a Mutex<Planner>,
     flusher: &'a Flusher,
     claimer: Claimer,
     verdicts: Verdicts,
@@ -477,7 +499,9 @@ impl Loop<'_> {
                     }
                     let mut prepared = {
                         let mut st = self.stages.lock().await;
-                        st.ensure_pins(&records, shutdown, s.pipeline.max_backoff).await?;
+                        let mut planner = self.planner.lock().await;
+                        planner.ensure_pins(&mut st, &records, shutdown, s.pipeline.max_backoff).await?;
+                        drop(planner);
                         st.prepare(records)
                     };
                     // Every batch goes through the claim task, claims or not, so that
@@ -507,11 +531,12 @@ impl Loop<'_> {
         loop {
             let attempt = async {
                 let mut st = self.stages.lock().await;
-                let recovery = st.cache().recover(lost).await?;
+                let mut planner = self.planner.lock().await;
+                let recovery = planner.cache().recover(lost).await?;
                 if let Recovery::Renewed(namespace) = &recovery {
                     info!(%namespace, "dedup cache namespace");
                 }
-                st.start_over(self.consumer).await?;
+                planner.start_over(self.consumer, &mut st).await?;
                 self.flusher.set_owned(st.partitions());
                 Ok::<_, PipelineError>(())
             };
@@ -528,14 +553,15 @@ impl Loop<'_> {
     /// Tells the sweeper which partitions lag far enough behind to need old sightings
     /// (`Stages::holds`), when that changed.
     async fn give_holds(&mut self) {
-        let mut st = self.stages.lock().await;
+        let st = self.stages.lock().await;
         let (consumer, topic) = (self.consumer, self.topic);
         let holds =
             st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
         if holds == self.holds {
             return;
         }
-        match st.cache().set_holds(&holds).await {
+        drop(st);
+        match self.planner.lock().await.cache().set_holds(&holds).await {
             Ok(()) => {
                 let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
                 metrics::gauge!(t::DEDUP_HELD_PARTITIONS).set(lagging.len() as f64);
@@ -567,7 +593,10 @@ impl Loop<'_> {
             // out; the fall-back changes nothing until every look-up succeeded.
             let mut retry = Retry::new(self.max_backoff, self.shutdown);
             loop {
-                let attempt = self.stages.lock().await.fall_back_to_private(self.consumer, p, why).await;
+                let attempt = {
+                    let mut st = self.stages.lock().await;
+                    self.planner.lock().await.fall_back(self.consumer, &mut st, p, why).await
+                };
                 match attempt {
                     Ok(()) => break,
                     Err(PipelineError::Dedup(DedupError::Lost(l))) => return Ok(Some(l)),

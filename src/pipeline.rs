@@ -1,4 +1,6 @@
-//! The stages of one member, in pipeline order, and what they do to a poll batch:
+//! The stages of one reader, in pipeline order, and what they do to a poll batch — pure
+//! and synchronous: no I/O, no waiting (the `planner` does the look-ups a start or a
+//! fall-back needs, and hands the results in):
 //!
 //! ```text
 //! poll batch ─► decode/validate ─► dedup (one Redis call) ─► aggregate ─► cut a flush
@@ -22,71 +24,42 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::consumer::{CommitMode, Consumer, ConsumerContext};
-use rdkafka::error::KafkaError;
-use rdkafka::{Offset, TopicPartitionList};
-use tokio::runtime::Handle;
-use tokio_util::sync::CancellationToken;
+use rdkafka::consumer::CommitMode;
 use tracing::{info, warn};
 
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::config::Settings;
 use crate::dedup::{
-    Checkpoint, Claim, ClaimBatch, ClaimMode, DedupError, Fingerprint, PartitionClock, Pin, PrivateScope, Secs,
-    SharedCache, Sighting, Verdict,
+    Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict,
 };
-use crate::flusher::Job;
 use crate::health::Health;
-use crate::planner;
-use crate::position::{self, Scope, Start};
-use crate::retry::{self, Retry, Stopped};
-use crate::sink::{Sink, SinkError};
-use crate::source::{self, Record};
+use crate::position::{Scope, Start};
+use crate::source::Record;
 use crate::telemetry::{self as t, RateLimiter};
 
-#[derive(Debug, thiserror::Error)]
-pub enum PipelineError {
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
-    #[error("Kafka: {0}")]
-    Kafka(#[from] KafkaError),
-    #[error(transparent)]
-    Dedup(#[from] DedupError),
-    #[error(transparent)]
-    Sink(#[from] SinkError),
-    #[error("{0}")]
-    Fatal(String),
-    /// Shut down (SIGTERM/SIGINT) while a step was still waiting to succeed.
-    #[error("shut down before {0} succeeded")]
-    ShutDown(String),
+/// One flush on its way to ClickHouse (the `flusher` writes it, then commits).
+pub struct Job {
+    pub flush: Flush,
+    /// Partition clocks at the batch boundaries crossed since the last cut: written
+    /// before the commits that pass them.
+    pub clocks: Vec<Checkpoint>,
+    /// Rejected records read before this flush was cut: acknowledged before its commit.
+    pub dead_letters: Vec<Record>,
+    /// Counted clicks by record timestamp: how fresh the counts are once durable.
+    pub freshness: t::ClicksByTenth,
+    /// Minute buckets this flush carries, for the member's unflushed count.
+    pub buckets: usize,
+    /// `Sync` for revokes and shutdown: the commit must be done when the drain ends.
+    pub commit_mode: CommitMode,
 }
 
-impl crate::retry::Retryable for PipelineError {
-    fn is_fatal(&self) -> bool {
-        PipelineError::is_fatal(self)
-    }
-}
-
-impl PipelineError {
-    /// Whether retrying cannot help (the member stops with the message).
-    pub fn is_fatal(&self) -> bool {
-        match self {
-            PipelineError::Dedup(e) => e.is_fatal(),
-            PipelineError::Sink(e) => e.is_fatal(),
-            PipelineError::Kafka(e) => source::is_fatal_kafka(e.rdkafka_error_code()),
-            PipelineError::Config(_) | PipelineError::Fatal(_) | PipelineError::ShutDown(_) => true,
-        }
-    }
-}
-
-/// How a member ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Exit {
-    /// Everything read was flushed and committed.
-    Drained,
-    /// The drain timeout passed first; nothing unflushed was committed, and the next
-    /// owner re-reads the open batches.
-    DrainTimedOut,
+/// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock by
+/// more than half of `dedup.max_record_lag` with records still to read (`behind`): the
+/// sweeper keeps what it still needs.
+pub fn hold(clock: Secs, behind: bool, max_record_lag: Duration) -> Option<Secs> {
+    let now = chrono::Utc::now().timestamp().max(0) as u64;
+    let lagging = now.saturating_sub(u64::from(clock)) > max_record_lag.as_secs() / 2;
+    (lagging && behind).then_some(clock)
 }
 
 /// What a poll batch did, for metrics and for `replay`'s summary.
@@ -120,15 +93,7 @@ impl BatchStats {
 /// The state of the stages up to the cut of a flush. Owned by the loop, reached by
 /// rebalance callbacks.
 pub struct Stages {
-    topic: String,
     pub agg: Aggregator,
-    /// For planning starts, restarts and the cached pins (claims go through a `Claimer`).
-    /// `None` for a replay, which never touches Redis.
-    cache: Option<SharedCache>,
-    rules: Option<crate::sink::RulesHistory>,
-    /// Whether the topic's Kafka ID was checked against the recorded one.
-    identity_checked: bool,
-    window: Secs,
     max_record_lag: Duration,
     /// The partitions being read, with where each started and how it decides. Records
     /// of other partitions (fetched before a revoke) are dropped.
@@ -138,7 +103,6 @@ pub struct Stages {
     generation: u64,
     /// The state of readers that rebuilt it from the log (`Scope::Private`).
     private: PrivateScope,
-    sink: Sink,
     dead_letters: bool,
     /// Rejected records since the last cut: their dead letters go with the next flush.
     rejected: Vec<Record>,
@@ -163,7 +127,7 @@ struct Reader {
     clock: PartitionClock,
     scope: Scope,
     /// Recorded cross-partition decisions for the offsets this reader reads next, loaded
-    /// a window at a time ([`Stages::ensure_pins`]) and dropped once read, so a replay of
+    /// a window at a time (`Planner::ensure_pins`) and dropped once read, so a replay of
     /// a month holds no more than a window of them.
     pins: RecordedPins,
     /// The last offset taken in: anything at or below it is a stale fetch.
@@ -214,7 +178,7 @@ pub enum Distrust {
 }
 
 impl Distrust {
-    fn as_str(self) -> &'static str {
+    pub fn as_str(self) -> &'static str {
         match self {
             Distrust::Undecidable => "undecidable",
         }
@@ -222,10 +186,6 @@ impl Distrust {
 }
 
 pub struct StagesConfig {
-    pub topic: String,
-    /// The recorded settings versions (a member): no partition is read from before where
-    /// the latest took over.
-    pub rules: Option<crate::sink::RulesHistory>,
     pub batch_offsets: BatchOffsets,
     pub window: Secs,
     pub max_record_lag: Duration,
@@ -235,8 +195,6 @@ pub struct StagesConfig {
 impl StagesConfig {
     pub fn from_settings(s: &Settings) -> StagesConfig {
         StagesConfig {
-            topic: s.kafka.topic.clone(),
-            rules: None,
             batch_offsets: s.batch_offsets(),
             window: s.rules().window(),
             max_record_lag: s.dedup.max_record_lag,
@@ -306,20 +264,13 @@ impl Prepared {
 }
 
 impl Stages {
-    pub fn new(cfg: StagesConfig, cache: Option<SharedCache>, sink: Sink, health: Arc<Health>) -> Stages {
-        let window = cfg.window;
+    pub fn new(cfg: StagesConfig, health: Arc<Health>) -> Stages {
         Stages {
-            topic: cfg.topic,
             agg: Aggregator::new(cfg.batch_offsets),
-            cache,
-            rules: cfg.rules,
-            identity_checked: false,
-            window,
             max_record_lag: cfg.max_record_lag,
             readers: HashMap::new(),
             generation: 0,
-            private: PrivateScope::new(window),
-            sink,
+            private: PrivateScope::new(cfg.window),
             dead_letters: cfg.dead_letters,
             rejected: Vec::new(),
             freshness: BTreeMap::new(),
@@ -334,94 +285,6 @@ impl Stages {
     /// The partitions being read.
     pub fn partitions(&self) -> impl Iterator<Item = i32> + '_ {
         self.readers.keys().copied()
-    }
-
-    /// Plans where each newly assigned partition starts (`position::shared_start`):
-    /// the batch boundary at or below its committed offset, a warm-up when the cache
-    /// lacks the sightings before it, and the recorded pins of what it will read.
-    /// Blocking broker look-ups; called from the rebalance callback.
-    pub async fn plan_shared_starts<X: ConsumerContext>(
-        &mut self,
-        consumer: &impl Consumer<X>,
-        partitions: &[i32],
-    ) -> Result<Vec<(Start, RecordedPins)>, PipelineError> {
-        // A cooperative rebalance may assign nothing new to this member.
-        if partitions.is_empty() {
-            return Ok(Vec::new());
-        }
-        let timeout = Duration::from_secs(10);
-        if !self.identity_checked {
-            self.check_topic_identity(consumer, timeout).await?;
-        }
-        let count = source::partitions(consumer, &self.topic, timeout)?.len();
-        self.shared()?.set_partition_count(count as u32);
-        let mut tpl = TopicPartitionList::new();
-        for &p in partitions {
-            tpl.add_partition(&self.topic, p);
-        }
-        let committed = consumer.committed_offsets(tpl, timeout)?;
-        let requested: BTreeMap<i32, Option<i64>> = committed
-            .elements()
-            .iter()
-            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
-            .collect();
-        let n = self.agg.batch_offsets();
-        let at = source::boundaries(consumer, &self.topic, n, &requested, timeout)?;
-        let marks = planner::marks(&self.sink, &self.topic, &at, self.window).await?;
-        let frontiers = self.shared()?.frontiers(partitions).await?;
-        let mut starts = Vec::new();
-        let mut holds = BTreeMap::new();
-        for (&p, &m) in &marks {
-            let from = self.rules.as_ref().map_or(0, |r| r.latest_from(p));
-            if m.boundary < from {
-                return Err(PipelineError::Fatal(format!(
-                    "partition {p} would be read from offset {}, before offset {from} where the topic's current \
-                     dedup settings took over (`clickagg settings change`): a member decides only under the current \
-                     settings. Reset the group to {from} or later; re-read older ranges with `clickagg replay`, \
-                     which decides each range under the settings recorded for it.",
-                    m.boundary
-                )));
-            }
-            let (frontier, lost) = position::merge_frontiers(frontiers.get(&p).map_or(&[][..], Vec::as_slice), m);
-            if lost {
-                warn!(
-                    partition = p,
-                    "part of the dedup cache lost this partition's state (a Redis node that lost its data?); \
-                     rebuilding it from the log"
-                );
-                metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
-            }
-            let start = position::shared_start(p, m, frontier);
-            let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
-            if matches!(start.scope, Scope::Shared { .. }) && behind {
-                // The cache lacks everything before the lookback: its re-reads below the
-                // boundary cannot be trusted after this warm-up, and the partition is not
-                // ready (others' fresh sightings wait) until the warm-up reaches it. A
-                // partition the cache never saw gets its frontier here.
-                self.shared()?.restart(p, m.lookback.0, m.boundary).await?;
-            }
-            // The sweeper must keep what this reader needs before it reads anything, if it
-            // starts far behind the wall clock with records to read (`Stages::holds`).
-            holds.insert(p, self.hold(start.clock.now(), start.read_from < at[&p].high));
-            // Every recorded decision from the first offset read on: a re-read applies it,
-            // warm-up included, with the effect it had on the cache (the frontier may be lost).
-            let pins = self.pins_from(p, start.read_from).await?;
-            info!(
-                partition = p,
-                committed = ?requested.get(&p).copied().flatten(),
-                count_from = start.count_from,
-                read_from = start.read_from,
-                cache_frontier = ?frontier.map(|f| f.claimed),
-                "partition start planned"
-            );
-            starts.push((start, pins));
-        }
-        let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
-        if !lagging.is_empty() {
-            info!(?lagging, "partitions lag the wall clock: the dedup cache keeps the sightings they still need");
-        }
-        self.shared()?.set_holds(&holds).await?;
-        Ok(starts)
     }
 
     /// Partitions become ours, starting as planned: any state left from an earlier
@@ -550,15 +413,7 @@ impl Stages {
     /// log end (`behind`), `None` otherwise. A partition caught up with its log releases
     /// its hold however old its last record is: its next records are new traffic.
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
-        self.readers.iter().map(|(&p, r)| (p, self.hold(r.clock.now(), behind(p, r.last)))).collect()
-    }
-
-    /// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock
-    /// by more than half of `dedup.max_record_lag` with records still to read.
-    fn hold(&self, clock: Secs, behind: bool) -> Option<Secs> {
-        let now = chrono::Utc::now().timestamp().max(0) as u64;
-        let lagging = now.saturating_sub(u64::from(clock)) > self.max_record_lag.as_secs() / 2;
-        (lagging && behind).then_some(clock)
+        self.readers.iter().map(|(&p, r)| (p, hold(r.clock.now(), behind(p, r.last), self.max_record_lag))).collect()
     }
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
@@ -677,39 +532,41 @@ impl Stages {
         Applied { fall_backs: distrusted, rewinds }
     }
 
+    /// Per reader that `records` take past the recorded pins it holds, the offsets whose
+    /// pins it needs next: `[from, beyond]`.
+    pub fn pins_needed(&self, records: &[Record]) -> BTreeMap<i32, (i64, i64)> {
+        let mut needed: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
+        for r in records {
+            let Some(reader) = self.readers.get(&r.partition) else { continue };
+            if r.offset > reader.pins.until && r.offset > reader.last {
+                let at = needed.entry(r.partition).or_insert((reader.pins.until + 1, r.offset));
+                at.1 = at.1.max(r.offset);
+            }
+        }
+        needed
+    }
+
+    /// Recorded pins of `partition` loaded for every offset up to `until`.
+    pub fn add_pins(&mut self, partition: i32, pins: BTreeMap<i64, Pin>, until: i64) {
+        if let Some(reader) = self.readers.get_mut(&partition) {
+            reader.pins.pins.extend(pins);
+            reader.pins.until = until;
+        }
+    }
+
+    /// Where a fall-back of `partition` counts from: the start of its open batch, or
+    /// where its reader counts from when nothing of it is held (`None`: not ours).
+    pub fn fall_back_from(&self, partition: i32) -> Option<i64> {
+        let reader = self.readers.get(&partition)?;
+        Some(self.agg.commit_offset(partition).unwrap_or(reader.count_from))
+    }
+
     /// Stops deciding `partition` from the shared cache: its state so far (decided
-    /// correctly) goes with the next flush, and it is read again from the start of its
-    /// open batch with state rebuilt from the log (`position::private_start`), up to
-    /// where the cache can decide again.
-    pub async fn fall_back_to_private<X: ConsumerContext>(
-        &mut self,
-        consumer: &impl Consumer<X>,
-        partition: i32,
-        why: Distrust,
-    ) -> Result<(), PipelineError> {
-        let Some(reader) = self.readers.get(&partition) else { return Ok(()) };
-        // Every look-up first, so that a failed one leaves everything as it was and the
-        // fall-back can simply be tried again.
-        let from = self.agg.commit_offset(partition).unwrap_or(reader.count_from);
-        let n = self.agg.batch_offsets();
-        let requested = BTreeMap::from([(partition, Some(from))]);
-        let timeout = Duration::from_secs(10);
-        let at = tokio::task::block_in_place(|| source::boundaries(consumer, &self.topic, n, &requested, timeout))?;
-        let marks = planner::marks(&self.sink, &self.topic, &at, self.window).await?;
-        let m = marks[&partition];
-        let frontiers = self.shared()?.frontiers(&[partition]).await?;
-        let (frontier, _) = position::merge_frontiers(frontiers.get(&partition).map_or(&[][..], Vec::as_slice), m);
-        let Some(f) = frontier else {
-            // The cache no longer knows the partition at all: it was lost.
-            let lost = crate::dedup::Lost { group: 0, why: "namespace".into(), detail: String::new() };
-            return Err(DedupError::Lost(lost).into());
-        };
-        let resume = position::Resume { claimed: f.claimed, exact_from: f.exact_from };
-        let start = position::private_start(partition, m, Some(resume));
-        let pins = self.pins_from(partition, start.read_from).await?;
-        tokio::task::block_in_place(|| {
-            consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)
-        })?;
+    /// correctly) goes with the next flush, and it is read again from `start`, a private
+    /// start planned from [`fall_back_from`](Self::fall_back_from) up to where the cache
+    /// can decide again.
+    pub fn fall_back(&mut self, start: Start, pins: RecordedPins, why: Distrust) {
+        let partition = start.partition;
         let cut = self.agg.take_partitions(&[partition]);
         self.carried.merge(cut);
         warn!(
@@ -717,7 +574,6 @@ impl Stages {
             reason = why.as_str(),
             count_from = start.count_from,
             read_from = start.read_from,
-            shared_from = resume.shared_from(),
             "the dedup cache cannot decide this partition's re-read; rebuilding its state from the log up to where it can"
         );
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => why.as_str()).increment(1);
@@ -725,115 +581,14 @@ impl Stages {
         self.generation += 1;
         self.health.status().reading(&start);
         self.readers.insert(partition, Reader::new(start, pins, self.generation));
-        Ok(())
     }
 
-    /// After the cache was lost (and renewed): every partition starts over as if just
-    /// assigned — its unflushed state dropped, its start planned again from its
-    /// committed offset, with a warm-up that rebuilds its state in the new namespace.
-    /// Cuts carried from fall-backs keep their rows but commit nothing.
-    pub async fn start_over<X: ConsumerContext>(&mut self, consumer: &impl Consumer<X>) -> Result<(), PipelineError> {
-        let partitions: Vec<i32> = self.partitions().collect();
+    /// After the cache was lost (and renewed): every partition starts over from `starts`
+    /// as if just assigned; cuts carried from fall-backs keep their rows but commit nothing.
+    pub fn start_over(&mut self, starts: Vec<(Start, RecordedPins)>) {
         self.carried.commits.clear();
-        let starts =
-            tokio::task::block_in_place(|| Handle::current().block_on(self.plan_shared_starts(consumer, &partitions)))?;
-        let timeout = Duration::from_secs(10);
-        for (start, _) in &starts {
-            tokio::task::block_in_place(|| {
-                consumer.seek(&self.topic, start.partition, Offset::Offset(start.read_from), timeout)
-            })?;
-        }
+        metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(starts.len() as u64);
         self.assign(starts);
-        metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(partitions.len() as u64);
-        Ok(())
-    }
-
-    /// Refuses a topic whose Kafka ID is not the one recorded for its name: it was
-    /// deleted and recreated, its offsets start over, and its batches would overwrite
-    /// the old topic's rows and take its pins. Records the ID when none is.
-    async fn check_topic_identity<X: ConsumerContext>(
-        &mut self,
-        consumer: &impl Consumer<X>,
-        timeout: Duration,
-    ) -> Result<(), PipelineError> {
-        let Some(now) = source::topic_id_of(consumer, &self.topic, timeout)? else {
-            self.identity_checked = true;
-            return Ok(()); // a broker without topic IDs
-        };
-        match self.sink.recorded_topic_id(&self.topic).await? {
-            Some(recorded) if recorded != now => {
-                return Err(PipelineError::Fatal(format!(
-                    "kafka topic {} has ID {now}, but the counts in ClickHouse were recorded for a topic of that \
-                     name with ID {recorded}: it was deleted and recreated, and its offsets would overwrite the \
-                     old topic's batches and take its pins. Write the new topic into another database \
-                     (clickhouse.database).",
-                    self.topic
-                )))
-            }
-            Some(_) => {}
-            None => self.sink.record_topic_id(&self.topic, &now).await?,
-        }
-        self.identity_checked = true;
-        Ok(())
-    }
-
-    /// The shared cache handle the stages plan with (the member recovers through it).
-    pub fn cache(&mut self) -> &mut SharedCache {
-        self.cache.as_mut().expect("a member's stages have the shared cache")
-    }
-
-    fn shared(&mut self) -> Result<&mut SharedCache, PipelineError> {
-        self.cache.as_mut().ok_or_else(|| PipelineError::Fatal("a replay cannot use the shared cache".into()))
-    }
-
-    /// Loads the recorded pins of every reader that `records` take past what it holds:
-    /// the next window of offsets. Retries while ClickHouse or Redis is unavailable.
-    pub async fn ensure_pins(
-        &mut self,
-        records: &[Record],
-        shutdown: &CancellationToken,
-        max_backoff: Duration,
-    ) -> Result<(), PipelineError> {
-        let mut needed: BTreeMap<i32, i64> = BTreeMap::new();
-        for r in records {
-            if let Some(reader) = self.readers.get(&r.partition) {
-                if r.offset > reader.pins.until && r.offset > reader.last {
-                    let at = needed.entry(r.partition).or_insert(r.offset);
-                    *at = (*at).max(r.offset);
-                }
-            }
-        }
-        for (p, beyond) in needed {
-            let from = self.readers[&p].pins.until + 1;
-            let to = beyond.max(from + self.pins_window() - 1);
-            let mut retry = Retry::new(max_backoff, shutdown);
-            let loaded = loop {
-                match load_pins(&self.sink, self.cache.as_mut(), &self.topic, p, from, to).await {
-                    Ok(pins) => break pins,
-                    Err(e) => retry
-                        .after(e, |e| warn!(error = %e, partition = p, "loading recorded decisions failed; retrying"))
-                        .await
-                        .map_err(|stopped| stopped_while(stopped, "loading recorded decisions"))?,
-                }
-            };
-            if let Some(reader) = self.readers.get_mut(&p) {
-                reader.pins.pins.extend(loaded);
-                reader.pins.until = to;
-            }
-        }
-        Ok(())
-    }
-
-    /// How many offsets of pins a reader loads at a time.
-    fn pins_window(&self) -> i64 {
-        (self.agg.batch_offsets().get() as i64).saturating_mul(16).max(100_000)
-    }
-
-    /// The first window of pins for a reader starting at `from`.
-    async fn pins_from(&mut self, partition: i32, from: i64) -> Result<RecordedPins, PipelineError> {
-        let until = from + self.pins_window() - 1;
-        let pins = load_pins(&self.sink, self.cache.as_mut(), &self.topic, partition, from, until).await?;
-        Ok(RecordedPins { pins, until })
     }
 
     /// Cuts a flush of everything changed since the last cut: the rows, the dead
@@ -877,48 +632,5 @@ impl Reader {
             pins,
             last: start.read_from - 1,
         }
-    }
-}
-
-/// Every cross-partition decision recorded for `partition` in `[from, to]`: durable in
-/// ClickHouse, or still only in the cache when the flush that records it has not
-/// happened yet (a re-read after a crash; a member's only).
-async fn load_pins(
-    sink: &Sink,
-    cache: Option<&mut SharedCache>,
-    topic: &str,
-    partition: i32,
-    from: i64,
-    to: i64,
-) -> Result<BTreeMap<i64, Pin>, PipelineError> {
-    let mut pins = sink.pins(topic, partition, from, to).await?;
-    if let Some(cache) = cache {
-        pins.extend(cache.cached_pins(partition, from, to).await?);
-    }
-    Ok(pins)
-}
-
-/// Runs a step until it succeeds (`retry::until_done`). Transient failures — a service
-/// still coming up, a failover, on an older ClickHouse cluster another member's quorum
-/// insert in the way — are logged and retried with backoff; a fatal one, or a shutdown,
-/// ends it.
-pub async fn until_done<T, F, Fut>(
-    what: &str,
-    max_backoff: Duration,
-    shutdown: &CancellationToken,
-    step: F,
-) -> Result<T, PipelineError>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, PipelineError>>,
-{
-    retry::until_done(what, max_backoff, shutdown, step).await.map_err(|stopped| stopped_while(stopped, what))
-}
-
-/// The error a retried step ends with: its fatal error, or a shutdown while `what` still failed.
-pub fn stopped_while(stopped: Stopped<PipelineError>, what: &str) -> PipelineError {
-    match stopped {
-        Stopped::Fatal(e) => e,
-        Stopped::ShutDown => PipelineError::ShutDown(what.to_string()),
     }
 }

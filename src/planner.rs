@@ -1,26 +1,360 @@
-//! Where readers start, from what is recorded: the recorded partition clocks at batch
-//! boundaries (`clickagg_clocks`) give each reader the clock just before where it
-//! starts reading, and the lookback that rebuilds its dedup state.
+//! Where readers start, and the look-ups behind it, for the pure stages
+//! (`pipeline::Stages`) to take over: the broker's offsets and log ends, the recorded
+//! partition clocks at batch boundaries (`clickagg_clocks`), the dedup cache's
+//! frontiers, and the recorded cross-partition decisions.
 //!
-//! The broker's time index is not used for either: it holds aborted transactional
-//! records and a single absurd timestamp as faithfully as any other, while the clock
-//! is a function of the committed records read in order (`dedup::clock`).
+//! The clocks give each reader the clock just before where it starts reading, and the
+//! lookback that rebuilds its dedup state. The broker's time index is not used for
+//! either: it holds aborted transactional records and a single absurd timestamp as
+//! faithfully as any other, while the clock is a function of the committed records
+//! read in order (`dedup::clock`).
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
-use crate::dedup::{PartitionClock, Secs};
-use crate::position::Marks;
-use crate::sink::{Sink, SinkError};
+use rdkafka::consumer::{Consumer, ConsumerContext};
+use rdkafka::error::KafkaError;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::runtime::Handle;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
-/// Where a partition's reader counts from, and where its log starts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Boundary {
-    /// The batch boundary counted from.
-    pub boundary: i64,
-    /// The first offset the broker still holds.
-    pub low: i64,
-    /// The log end when planned.
-    pub high: i64,
+use crate::aggregate::BatchOffsets;
+use crate::dedup::{DedupError, PartitionClock, Pin, Secs, SharedCache};
+use crate::pipeline::{hold, Distrust, RecordedPins, Stages};
+use crate::position::{self, Boundary, Marks, Scope, Start};
+use crate::retry::{self, Retry, Stopped};
+use crate::sink::{RulesHistory, Sink, SinkError};
+use crate::source::{self, Record};
+use crate::telemetry as t;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
+    #[error("Kafka: {0}")]
+    Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Dedup(#[from] DedupError),
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    #[error("{0}")]
+    Fatal(String),
+    /// Shut down (SIGTERM/SIGINT) while a step was still waiting to succeed.
+    #[error("shut down before {0} succeeded")]
+    ShutDown(String),
+}
+
+impl crate::retry::Retryable for PipelineError {
+    fn is_fatal(&self) -> bool {
+        PipelineError::is_fatal(self)
+    }
+}
+
+impl PipelineError {
+    /// Whether retrying cannot help (the member stops with the message).
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            PipelineError::Dedup(e) => e.is_fatal(),
+            PipelineError::Sink(e) => e.is_fatal(),
+            PipelineError::Kafka(e) => source::is_fatal_kafka(e.rdkafka_error_code()),
+            PipelineError::Config(_) | PipelineError::Fatal(_) | PipelineError::ShutDown(_) => true,
+        }
+    }
+}
+
+/// The look-ups of one reader process: a member (with the shared cache and the
+/// recorded settings) or a replay (neither).
+pub struct Planner {
+    topic: String,
+    sink: Sink,
+    /// `None` for a replay, which never touches Redis.
+    cache: Option<SharedCache>,
+    n: BatchOffsets,
+    window: Secs,
+    max_record_lag: Duration,
+    /// The recorded settings versions (a member): no partition is read from before where
+    /// the latest took over.
+    rules: Option<RulesHistory>,
+    /// Whether the topic's Kafka ID was checked against the recorded one.
+    identity_checked: bool,
+}
+
+impl Planner {
+    pub fn new(
+        topic: &str,
+        sink: Sink,
+        cache: Option<SharedCache>,
+        n: BatchOffsets,
+        window: Secs,
+        max_record_lag: Duration,
+        rules: Option<RulesHistory>,
+    ) -> Planner {
+        Planner { topic: topic.to_string(), sink, cache, n, window, max_record_lag, rules, identity_checked: false }
+    }
+
+    /// Plans where each newly assigned partition starts (`position::shared_start`):
+    /// the batch boundary at or below its committed offset, a warm-up when the cache
+    /// lacks the sightings before it, and the recorded pins of what it will read.
+    /// Blocking broker look-ups; called from the rebalance callback.
+    pub async fn plan_starts<X: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<X>,
+        partitions: &[i32],
+    ) -> Result<Vec<(Start, RecordedPins)>, PipelineError> {
+        // A cooperative rebalance may assign nothing new to this member.
+        if partitions.is_empty() {
+            return Ok(Vec::new());
+        }
+        let timeout = Duration::from_secs(10);
+        if !self.identity_checked {
+            self.check_topic_identity(consumer, timeout).await?;
+        }
+        let count = source::partitions(consumer, &self.topic, timeout)?.len();
+        self.shared()?.set_partition_count(count as u32);
+        let mut tpl = TopicPartitionList::new();
+        for &p in partitions {
+            tpl.add_partition(&self.topic, p);
+        }
+        let committed = consumer.committed_offsets(tpl, timeout)?;
+        let requested: BTreeMap<i32, Option<i64>> = committed
+            .elements()
+            .iter()
+            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
+            .collect();
+        let at = source::boundaries(consumer, &self.topic, self.n, &requested, timeout)?;
+        let marks = marks(&self.sink, &self.topic, &at, self.window).await?;
+        let frontiers = self.shared()?.frontiers(partitions).await?;
+        let mut starts = Vec::new();
+        let mut holds = BTreeMap::new();
+        for (&p, &m) in &marks {
+            let from = self.rules.as_ref().map_or(0, |r| r.latest_from(p));
+            if m.boundary < from {
+                return Err(PipelineError::Fatal(format!(
+                    "partition {p} would be read from offset {}, before offset {from} where the topic's current \
+                     dedup settings took over (`clickagg settings change`): a member decides only under the current \
+                     settings. Reset the group to {from} or later; re-read older ranges with `clickagg replay`, \
+                     which decides each range under the settings recorded for it.",
+                    m.boundary
+                )));
+            }
+            let (frontier, lost) = position::merge_frontiers(frontiers.get(&p).map_or(&[][..], Vec::as_slice), m);
+            if lost {
+                warn!(
+                    partition = p,
+                    "part of the dedup cache lost this partition's state (a Redis node that lost its data?); \
+                     rebuilding it from the log"
+                );
+                metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
+            }
+            let start = position::shared_start(p, m, frontier);
+            let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
+            if matches!(start.scope, Scope::Shared { .. }) && behind {
+                // The cache lacks everything before the lookback: its re-reads below the
+                // boundary cannot be trusted after this warm-up, and the partition is not
+                // ready (others' fresh sightings wait) until the warm-up reaches it. A
+                // partition the cache never saw gets its frontier here.
+                self.shared()?.restart(p, m.lookback.0, m.boundary).await?;
+            }
+            // The sweeper must keep what this reader needs before it reads anything, if it
+            // starts far behind the wall clock with records to read (`Stages::holds`).
+            holds.insert(p, hold(start.clock.now(), start.read_from < at[&p].high, self.max_record_lag));
+            // Every recorded decision from the first offset read on: a re-read applies it,
+            // warm-up included, with the effect it had on the cache (the frontier may be lost).
+            let pins = self.pins_from(p, start.read_from).await?;
+            info!(
+                partition = p,
+                committed = ?requested.get(&p).copied().flatten(),
+                count_from = start.count_from,
+                read_from = start.read_from,
+                cache_frontier = ?frontier.map(|f| f.claimed),
+                "partition start planned"
+            );
+            starts.push((start, pins));
+        }
+        let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
+        if !lagging.is_empty() {
+            info!(?lagging, "partitions lag the wall clock: the dedup cache keeps the sightings they still need");
+        }
+        self.shared()?.set_holds(&holds).await?;
+        Ok(starts)
+    }
+
+    /// Plans the private re-read of `partition`, whose re-read the cache could not
+    /// decide, from the start of its open batch up to where the cache can decide again,
+    /// seeks the consumer there and hands the start to `stages`. Every look-up comes
+    /// first, so that a failed one leaves everything as it was and can be tried again.
+    pub async fn fall_back<X: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<X>,
+        stages: &mut Stages,
+        partition: i32,
+        why: Distrust,
+    ) -> Result<(), PipelineError> {
+        let Some(from) = stages.fall_back_from(partition) else { return Ok(()) };
+        let requested = BTreeMap::from([(partition, Some(from))]);
+        let timeout = Duration::from_secs(10);
+        let at =
+            tokio::task::block_in_place(|| source::boundaries(consumer, &self.topic, self.n, &requested, timeout))?;
+        let marks = marks(&self.sink, &self.topic, &at, self.window).await?;
+        let m = marks[&partition];
+        let frontiers = self.shared()?.frontiers(&[partition]).await?;
+        let (frontier, _) = position::merge_frontiers(frontiers.get(&partition).map_or(&[][..], Vec::as_slice), m);
+        let Some(f) = frontier else {
+            // The cache no longer knows the partition at all: it was lost.
+            let lost = crate::dedup::Lost { group: 0, why: "namespace".into(), detail: String::new() };
+            return Err(DedupError::Lost(lost).into());
+        };
+        let resume = position::Resume { claimed: f.claimed, exact_from: f.exact_from };
+        let start = position::private_start(partition, m, Some(resume));
+        let pins = self.pins_from(partition, start.read_from).await?;
+        tokio::task::block_in_place(|| {
+            consumer.seek(&self.topic, partition, Offset::Offset(start.read_from), timeout)
+        })?;
+        info!(partition, shared_from = resume.shared_from(), "re-reading privately up to where the cache decides");
+        stages.fall_back(start, pins, why);
+        Ok(())
+    }
+
+    /// After the cache was lost (and renewed): plans every partition of `stages` again
+    /// from its committed offset, with a warm-up that rebuilds its state in the new
+    /// namespace, seeks the consumer there, and starts the stages over.
+    pub async fn start_over<X: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<X>,
+        stages: &mut Stages,
+    ) -> Result<(), PipelineError> {
+        let partitions: Vec<i32> = stages.partitions().collect();
+        let starts =
+            tokio::task::block_in_place(|| Handle::current().block_on(self.plan_starts(consumer, &partitions)))?;
+        let timeout = Duration::from_secs(10);
+        for (start, _) in &starts {
+            tokio::task::block_in_place(|| {
+                consumer.seek(&self.topic, start.partition, Offset::Offset(start.read_from), timeout)
+            })?;
+        }
+        stages.start_over(starts);
+        Ok(())
+    }
+
+    /// Loads the recorded pins every reader of `stages` needs for `records`: the next
+    /// window of offsets. Retries while ClickHouse or Redis is unavailable.
+    pub async fn ensure_pins(
+        &mut self,
+        stages: &mut Stages,
+        records: &[Record],
+        shutdown: &CancellationToken,
+        max_backoff: Duration,
+    ) -> Result<(), PipelineError> {
+        for (p, (from, beyond)) in stages.pins_needed(records) {
+            let to = beyond.max(from + self.pins_window() - 1);
+            let mut retry = Retry::new(max_backoff, shutdown);
+            let loaded = loop {
+                match load_pins(&self.sink, self.cache.as_mut(), &self.topic, p, from, to).await {
+                    Ok(pins) => break pins,
+                    Err(e) => retry
+                        .after(e, |e| warn!(error = %e, partition = p, "loading recorded decisions failed; retrying"))
+                        .await
+                        .map_err(|stopped| stopped_while(stopped, "loading recorded decisions"))?,
+                }
+            };
+            stages.add_pins(p, loaded, to);
+        }
+        Ok(())
+    }
+
+    /// Refuses a topic whose Kafka ID is not the one recorded for its name: it was
+    /// deleted and recreated, its offsets start over, and its batches would overwrite
+    /// the old topic's rows and take its pins. Records the ID when none is.
+    async fn check_topic_identity<X: ConsumerContext>(
+        &mut self,
+        consumer: &impl Consumer<X>,
+        timeout: Duration,
+    ) -> Result<(), PipelineError> {
+        let Some(now) = source::topic_id_of(consumer, &self.topic, timeout)? else {
+            self.identity_checked = true;
+            return Ok(()); // a broker without topic IDs
+        };
+        match self.sink.recorded_topic_id(&self.topic).await? {
+            Some(recorded) if recorded != now => {
+                return Err(PipelineError::Fatal(format!(
+                    "kafka topic {} has ID {now}, but the counts in ClickHouse were recorded for a topic of that \
+                     name with ID {recorded}: it was deleted and recreated, and its offsets would overwrite the \
+                     old topic's batches and take its pins. Write the new topic into another database \
+                     (clickhouse.database).",
+                    self.topic
+                )))
+            }
+            Some(_) => {}
+            None => self.sink.record_topic_id(&self.topic, &now).await?,
+        }
+        self.identity_checked = true;
+        Ok(())
+    }
+
+    /// The shared cache handle the planner plans with (the member recovers through it).
+    pub fn cache(&mut self) -> &mut SharedCache {
+        self.cache.as_mut().expect("a member's planner has the shared cache")
+    }
+
+    fn shared(&mut self) -> Result<&mut SharedCache, PipelineError> {
+        self.cache.as_mut().ok_or_else(|| PipelineError::Fatal("a replay cannot use the shared cache".into()))
+    }
+
+    /// How many offsets of pins a reader loads at a time.
+    fn pins_window(&self) -> i64 {
+        (self.n.get() as i64).saturating_mul(16).max(100_000)
+    }
+
+    /// The first window of pins for a reader starting at `from`.
+    async fn pins_from(&mut self, partition: i32, from: i64) -> Result<RecordedPins, PipelineError> {
+        let until = from + self.pins_window() - 1;
+        let pins = load_pins(&self.sink, self.cache.as_mut(), &self.topic, partition, from, until).await?;
+        Ok(RecordedPins { pins, until })
+    }
+}
+
+/// Every cross-partition decision recorded for `partition` in `[from, to]`: durable in
+/// ClickHouse, or still only in the cache when the flush that records it has not
+/// happened yet (a re-read after a crash; a member's only).
+async fn load_pins(
+    sink: &Sink,
+    cache: Option<&mut SharedCache>,
+    topic: &str,
+    partition: i32,
+    from: i64,
+    to: i64,
+) -> Result<BTreeMap<i64, Pin>, PipelineError> {
+    let mut pins = sink.pins(topic, partition, from, to).await?;
+    if let Some(cache) = cache {
+        pins.extend(cache.cached_pins(partition, from, to).await?);
+    }
+    Ok(pins)
+}
+
+/// Runs a step until it succeeds (`retry::until_done`). Transient failures — a service
+/// still coming up, a failover, on an older ClickHouse cluster another member's quorum
+/// insert in the way — are logged and retried with backoff; a fatal one, or a shutdown,
+/// ends it.
+pub async fn until_done<T, F, Fut>(
+    what: &str,
+    max_backoff: Duration,
+    shutdown: &CancellationToken,
+    step: F,
+) -> Result<T, PipelineError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, PipelineError>>,
+{
+    retry::until_done(what, max_backoff, shutdown, step).await.map_err(|stopped| stopped_while(stopped, what))
+}
+
+/// The error a retried step ends with: its fatal error, or a shutdown while `what` still failed.
+pub fn stopped_while(stopped: Stopped<PipelineError>, what: &str) -> PipelineError {
+    match stopped {
+        Stopped::Fatal(e) => e,
+        Stopped::ShutDown => PipelineError::ShutDown(what.to_string()),
+    }
 }
 
 /// For every partition, the recorded clocks a reader counting from its boundary needs

@@ -71,6 +71,17 @@ impl Resume {
     }
 }
 
+/// Where a partition's reader counts from, and where its log starts and ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Boundary {
+    /// The batch boundary counted from.
+    pub boundary: i64,
+    /// The first offset the broker still holds.
+    pub low: i64,
+    /// The log end when planned.
+    pub high: i64,
+}
+
 /// What the recorded clocks say about one partition, for a reader counting from
 /// `boundary` (`source::marks`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

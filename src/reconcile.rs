@@ -90,7 +90,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
         .partitions
         .iter()
         .map(|(&p, &(start, _))| {
-            (p, crate::planner::Boundary { boundary: n.start_of(start).max(lows[&p]), low: lows[&p], high: i64::MAX })
+            (p, crate::position::Boundary { boundary: n.start_of(start).max(lows[&p]), low: lows[&p], high: i64::MAX })
         })
         .collect();
     let window = s.rules().window();

@@ -30,6 +30,7 @@ use crate::dead_letter::DeadLetters;
 use crate::flusher::{Flusher, FlusherConfig};
 use crate::health::Health;
 use crate::pipeline::{BatchStats, RecordedPins, Stages, StagesConfig};
+use crate::planner::Planner;
 use crate::position::{self, Start};
 use crate::retry::FatalSignal;
 use crate::sink::Sink;
@@ -208,11 +209,11 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     let started = Instant::now();
     let sink = Sink::new(&s.clickhouse);
     let ch = &sink;
-    crate::pipeline::until_done("registering pipeline.batch_offsets", s.pipeline.max_backoff, &shutdown, || async {
+    crate::planner::until_done("registering pipeline.batch_offsets", s.pipeline.max_backoff, &shutdown, || async {
         Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
     })
     .await?;
-    let history = crate::pipeline::until_done(
+    let history = crate::planner::until_done(
         "reading the recorded dedup settings",
         s.pipeline.max_backoff,
         &shutdown,
@@ -277,7 +278,7 @@ async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap
     let at = counted
         .partitions
         .iter()
-        .map(|(&p, &(start, _))| (p, crate::planner::Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
+        .map(|(&p, &(start, _))| (p, crate::position::Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
         .collect();
     let window = s.rules().window();
     let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window).await?;
@@ -336,7 +337,16 @@ async fn run_plan(
         fatal: fatal.clone(),
     });
     // No shared cache: every reader of a replay is private, and nothing of it touches Redis.
-    let mut stages = Stages::new(StagesConfig::from_settings(s), None, sink.clone(), health);
+    let mut stages = Stages::new(StagesConfig::from_settings(s), health);
+    let mut planner = Planner::new(
+        &s.kafka.topic,
+        sink.clone(),
+        None,
+        s.batch_offsets(),
+        s.rules().window(),
+        s.dedup.max_record_lag,
+        None,
+    );
     stages.assign(with_pins);
 
     let group = format!("{}-replay", s.kafka.group);
@@ -357,7 +367,7 @@ async fn run_plan(
         };
         let Some(records) = batch else { break };
         // Private state only: every verdict is made in `prepare`, none comes from Redis.
-        stages.ensure_pins(&records, shutdown, s.pipeline.max_backoff).await?;
+        planner.ensure_pins(&mut stages, &records, shutdown, s.pipeline.max_backoff).await?;
         let prepared = stages.prepare(records);
         stages.apply(prepared, Vec::new());
         if stages.has_complete_batches() || last_flush.elapsed() >= s.pipeline.flush_interval {

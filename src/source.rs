@@ -342,11 +342,11 @@ pub fn boundaries<X: ConsumerContext>(
     n: crate::aggregate::BatchOffsets,
     requested: &BTreeMap<i32, Option<i64>>,
     timeout: Duration,
-) -> Result<BTreeMap<i32, crate::planner::Boundary>, KafkaError> {
+) -> Result<BTreeMap<i32, crate::position::Boundary>, KafkaError> {
     let mut out = BTreeMap::new();
     for (&p, &o) in requested {
         let (low, high) = consumer.fetch_watermarks(topic, p, timeout)?;
-        out.insert(p, crate::planner::Boundary { boundary: crate::position::boundary(n, low, high, o), low, high });
+        out.insert(p, crate::position::Boundary { boundary: crate::position::boundary(n, low, high, o), low, high });
     }
     Ok(out)
 }

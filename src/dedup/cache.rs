@@ -201,6 +201,7 @@ fn library_version() -> String {
 /// Where the cache lives: one Redis (or a primary with replicas behind one address), or
 /// a Redis Cluster reached through seed nodes.
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // built once per member; boxing buys nothing
 pub enum RedisTarget {
     Single(redis::Client),
     Cluster(ClusterClient),
