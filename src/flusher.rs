@@ -23,8 +23,8 @@ use rdkafka::error::KafkaResult;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info_span, warn, Instrument};
 
+use crate::cache::SharedCache;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::SharedCache;
 use crate::health::Health;
 pub use crate::pipeline::Job;
 use crate::retry::{FatalSignal, Retry, Retryable, Stopped};

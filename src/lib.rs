@@ -29,7 +29,7 @@
 //! `ARCHITECTURE.md` draws the stages and says which steps are safe to replay.
 
 pub mod aggregate;
-pub mod cli;
+pub mod cache;
 pub mod click;
 pub mod commands;
 pub mod config;

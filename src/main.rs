@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use clap::Parser;
-use clickagg::cli::Cli;
+use clickagg::commands::cli::Cli;
 use clickagg::config::Settings;
 use clickagg::{commands, telemetry};
 

@@ -32,9 +32,9 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
+use crate::cache::{Claimer, DedupError, Lost, Recovery, Verdicts};
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::dedup::{Claimer, DedupError, Lost, Recovery, Verdicts};
 use crate::flusher::{Committer, Flusher, FlusherConfig};
 use crate::health::Health;
 use crate::pipeline::{Prepared, Stages, StagesConfig};
@@ -270,7 +270,7 @@ impl Member {
                     .await?;
             self.health.set_clickhouse(true);
             check_topic_config(s).await?;
-            let mut cache = crate::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
+            let mut cache = crate::cache::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
             wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
             Ok::<_, PipelineError>((cache, rules))
         }
@@ -283,7 +283,7 @@ impl Member {
             started => started?,
         };
         let sweeper = CancellationToken::new();
-        tokio::spawn(crate::dedup::sweeper::sweep_forever(
+        tokio::spawn(crate::cache::sweeper::sweep_forever(
             cache.handle(),
             s.dedup_window(),
             s.dedup.max_record_lag,
@@ -711,7 +711,7 @@ async fn drain(stages: &Mutex<Stages>, flusher: &Flusher, timeout: Duration) -> 
 /// Checks the dedup cache's eviction policy, waiting while Redis is unreachable (a
 /// member may start while a Redis Cluster fails over) instead of exiting.
 async fn wait_for_redis(
-    cache: &mut crate::dedup::SharedCache,
+    cache: &mut crate::cache::SharedCache,
     max_backoff: Duration,
     shutdown: &CancellationToken,
 ) -> Result<(), PipelineError> {

@@ -20,7 +20,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::aggregate::BatchOffsets;
-use crate::dedup::{DedupError, PartitionClock, Pin, Secs, SharedCache};
+use crate::cache::{DedupError, SharedCache};
+use crate::dedup::{PartitionClock, Pin, Secs};
 use crate::pipeline::{hold, Distrust, RecordedPins, Stages};
 use crate::position::{self, Boundary, Marks, Scope, Start};
 use crate::retry::{self, Retry, Stopped};
@@ -202,7 +203,7 @@ impl Planner {
         let (frontier, _) = position::merge_frontiers(frontiers.get(&partition).map_or(&[][..], Vec::as_slice), m);
         let Some(f) = frontier else {
             // The cache no longer knows the partition at all: it was lost.
-            let lost = crate::dedup::Lost { group: 0, why: "namespace".into(), detail: String::new() };
+            let lost = crate::cache::Lost { group: 0, why: "namespace".into(), detail: String::new() };
             return Err(DedupError::Lost(lost).into());
         };
         let resume = position::Resume { claimed: f.claimed, exact_from: f.exact_from };

@@ -142,24 +142,8 @@ impl<'de> Deserialize<'de> for SecretUrl {
 }
 
 #[cfg(test)]
-// figment's `Jail` closures return its (large) error type; that is its API, not ours.
-#[allow(clippy::result_large_err)]
 mod tests {
     use super::*;
-    use crate::config::Settings;
-    use figment::Jail;
-
-    #[test]
-    fn secrets_never_print() {
-        let mut s = Settings::default();
-        s.clickhouse.password = Some(Secret::new("ch-hunter2"));
-        s.kafka.sasl_password = Some(Secret::new("sasl-hunter2"));
-        s.redis.url = SecretUrl::new("redis://user:redis-hunter2@127.0.0.1:6379/");
-        s.kafka.properties.insert("sasl.oauthbearer.config".into(), Secret::new("prop-hunter2"));
-        let printed = format!("{s:?}\n{}", s.to_redacted_toml());
-        assert!(!printed.contains("hunter2"), "{printed}");
-        assert!(printed.contains("redis://user:%5Bredacted%5D@127.0.0.1:6379/") || printed.contains("[redacted]"));
-    }
 
     #[test]
     fn every_seed_node_url_is_redacted() {
@@ -170,35 +154,8 @@ mod tests {
     }
 
     #[test]
-    fn passwords_and_query_values_in_both_urls_never_print() {
-        let redis = "rediss://u:redis-pw-hunter2@cache:6380/0?protocol=resp3&token=redis-q-hunter2#frag-hunter2";
-        for clickhouse in
-            ["https://ch:ch-pw-hunter2@clickhouse:8443/", "https://clickhouse:8443/?user=ch&password=ch-q-hunter2"]
-        {
-            let vars = [("CLICKAGG__REDIS__URL", redis), ("CLICKAGG__CLICKHOUSE__URL", clickhouse)];
-            let s = Settings::load_with_vars(None, vec![], vars).unwrap();
-            let printed = format!("{s:?}\n{}", s.to_redacted_toml());
-            assert!(!printed.contains("hunter2"), "{printed}");
-            // Where the services are stays visible, and which parameters are set.
-            for visible in
-                ["u:%5Bredacted%5D@cache:6380/0?protocol=[redacted]&token=[redacted]#[redacted]", "clickhouse:8443"]
-            {
-                assert!(printed.contains(visible), "{visible} in {printed}");
-            }
-        }
+    fn query_values_and_unparseable_urls_are_redacted() {
         assert_eq!(redact_url("http://h/?bare-hunter2&x=1"), "http://h/?[redacted]&x=[redacted]");
         assert_eq!(redact_url("not a url hunter2"), "[unparseable URL redacted]");
-    }
-
-    #[test]
-    fn a_secret_that_looks_like_a_number_is_still_a_secret() {
-        Jail::expect_with(|jail| {
-            jail.set_env("CLICKAGG__CLICKHOUSE__PASSWORD", "12345");
-            jail.set_env("CLICKAGG__KAFKA__SASL_PASSWORD", "true");
-            let s = Settings::load(None, vec![]).unwrap();
-            assert_eq!(s.clickhouse.password.unwrap().expose(), "12345");
-            assert_eq!(s.kafka.sasl_password.unwrap().expose(), "true");
-            Ok(())
-        });
     }
 }

@@ -15,7 +15,7 @@ use axum::Router;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::dedup::SharedCache;
+use crate::cache::SharedCache;
 use crate::health::Health;
 use crate::sink::Sink;
 use crate::status;
@@ -90,5 +90,22 @@ pub async fn probe(
         }
         health.set_redis(redis.ping().await.is_ok());
         health.set_clickhouse(clickhouse.ping().await.is_ok());
+    }
+}
+
+/// Samples the counters of `metrics` into the status board every `every` until `shutdown`, so
+/// `/status.json` can report rates whether or not anyone is looking.
+pub async fn sample_forever(
+    health: Arc<Health>,
+    metrics: PrometheusHandle,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut ticker = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = ticker.tick() => health.status().sample(&metrics.render(), status::unix_now()),
+        }
     }
 }

@@ -24,8 +24,9 @@
 use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand, ValueEnum};
+use clickagg::cache::SharedCache;
 use clickagg::config::{KafkaSettings, Settings};
-use clickagg::dedup::{Claim, ClaimMode, Fingerprinter, SharedCache, Sighting};
+use clickagg::dedup::{Claim, ClaimMode, Fingerprinter, Sighting};
 use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -204,7 +205,7 @@ fn cache(
     s.kafka.topic = "bench".into();
     s.dedup.shards = shards;
     s.validate()?;
-    Ok(clickagg::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?)
+    Ok(clickagg::cache::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?)
 }
 
 /// One connection per node of `redis_url` (one, or every node of a cluster).
@@ -260,7 +261,7 @@ async fn claims_rate(
     let health = clickagg::health::Health::new();
     let cache = cache(&redis_url, &prefix, 1 << 16, groups, wait_replicas)?;
     let layout = format!("{} key group(s)", cache.groups());
-    let (claimer, mut verdicts) = clickagg::dedup::Claimer::start(cache, Duration::from_secs(1), health);
+    let (claimer, mut verdicts) = clickagg::cache::Claimer::start(cache, Duration::from_secs(1), health);
     let cpu_before = cpu_seconds(&redis_url).await?;
     let started = Instant::now();
     let mut sent = 0;

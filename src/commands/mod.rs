@@ -1,6 +1,7 @@
 //! One function per subcommand: wiring settings to the library, printing results,
 //! choosing exit codes. The work itself lives in the pipeline modules.
 
+pub mod cli;
 pub mod settings;
 pub mod status;
 
@@ -11,7 +12,6 @@ use anyhow::{bail, Context, Result};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-use crate::cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
 use crate::config::Settings;
 use crate::health::Health;
 use crate::member::Exit;
@@ -23,6 +23,7 @@ use crate::server;
 use crate::sink::Sink;
 use crate::telemetry;
 use crate::verify;
+use cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
 
 /// Exit code when the drain timeout passed before everything was flushed.
 pub const EXIT_DRAIN_TIMEOUT: u8 = 3;
@@ -78,15 +79,15 @@ async fn run(s: Settings) -> Result<ExitCode> {
     let health = Health::new();
     health.status().set_identity(crate::status::Identity::of(&s));
     let metrics = telemetry::metrics();
-    telemetry::register_zeroes();
+    telemetry::register_zeroes(&crate::health::RedisTrouble::ALL.map(|t| t.label()));
     let http_stop = CancellationToken::new();
     if s.http.enabled {
         let (addr, _) = server::serve(s.http.addr, health.clone(), metrics.clone(), http_stop.clone())
             .await
             .with_context(|| format!("binding http.addr {}", s.http.addr))?;
         info!(%addr, "serving /metrics, /livez, /readyz and the status page /");
-        tokio::spawn(crate::status::sample_forever(health.clone(), metrics, Duration::from_secs(1), http_stop.clone()));
-        let probe_redis = crate::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
+        tokio::spawn(crate::server::sample_forever(health.clone(), metrics, Duration::from_secs(1), http_stop.clone()));
+        let probe_redis = crate::cache::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
         tokio::spawn(server::probe(
             health.clone(),
             probe_redis,

@@ -69,8 +69,8 @@ fn several_redis_urls_are_the_seed_nodes_of_a_cluster_and_claims_wait_for_a_repl
     let s = Settings::load_with_vars(None, vec![], vars).unwrap();
     assert!(s.redis.is_cluster());
     assert_eq!(s.redis.url.list(), ["redis://a:7001/", "redis://b:7002/"]);
-    assert_eq!(s.redis.wait(), Some(crate::dedup::Wait { replicas: 1, timeout: Duration::from_secs(1) }));
-    assert_eq!(crate::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic).unwrap().groups(), 16);
+    assert_eq!(s.redis.wait(), Some(crate::config::RedisWait { replicas: 1, timeout: Duration::from_secs(1) }));
+    assert_eq!(s.redis.groups(), 16);
     let one_seed = [("CLICKAGG__REDIS__URL", "redis://a:7001/"), ("CLICKAGG__REDIS__CLUSTER", "true")];
     let s = Settings::load_with_vars(None, vec![], one_seed).unwrap();
     assert!(s.redis.is_cluster());
@@ -80,10 +80,7 @@ fn several_redis_urls_are_the_seed_nodes_of_a_cluster_and_claims_wait_for_a_repl
         ("CLICKAGG__REDIS__WAIT_REPLICAS", "0"),
     ];
     let s = Settings::load_with_vars(None, vec![], tuned).unwrap();
-    assert_eq!(
-        (crate::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic).unwrap().groups(), s.redis.wait()),
-        (64, None)
-    );
+    assert_eq!((s.redis.groups(), s.redis.wait()), (64, None));
 }
 
 fn endpoint(url: &str, password: Option<&str>) -> Result<ClickHouseEndpoint, String> {
@@ -120,4 +117,47 @@ fn a_clickhouse_url_the_client_would_misread_is_refused_without_printing_it() {
         let e = endpoint(url, password).unwrap_err();
         assert!(e.contains(says) && !e.contains("hunter2"), "{url}: {e}");
     }
+}
+
+#[test]
+fn secrets_never_print() {
+    let mut s = Settings::default();
+    s.clickhouse.password = Some(Secret::new("ch-hunter2"));
+    s.kafka.sasl_password = Some(Secret::new("sasl-hunter2"));
+    s.redis.url = SecretUrl::new("redis://user:redis-hunter2@127.0.0.1:6379/");
+    s.kafka.properties.insert("sasl.oauthbearer.config".into(), Secret::new("prop-hunter2"));
+    let printed = format!("{s:?}\n{}", s.to_redacted_toml());
+    assert!(!printed.contains("hunter2"), "{printed}");
+    assert!(printed.contains("redis://user:%5Bredacted%5D@127.0.0.1:6379/") || printed.contains("[redacted]"));
+}
+
+#[test]
+fn passwords_and_query_values_in_both_urls_never_print() {
+    let redis = "rediss://u:redis-pw-hunter2@cache:6380/0?protocol=resp3&token=redis-q-hunter2#frag-hunter2";
+    for clickhouse in
+        ["https://ch:ch-pw-hunter2@clickhouse:8443/", "https://clickhouse:8443/?user=ch&password=ch-q-hunter2"]
+    {
+        let vars = [("CLICKAGG__REDIS__URL", redis), ("CLICKAGG__CLICKHOUSE__URL", clickhouse)];
+        let s = Settings::load_with_vars(None, vec![], vars).unwrap();
+        let printed = format!("{s:?}\n{}", s.to_redacted_toml());
+        assert!(!printed.contains("hunter2"), "{printed}");
+        // Where the services are stays visible, and which parameters are set.
+        for visible in
+            ["u:%5Bredacted%5D@cache:6380/0?protocol=[redacted]&token=[redacted]#[redacted]", "clickhouse:8443"]
+        {
+            assert!(printed.contains(visible), "{visible} in {printed}");
+        }
+    }
+}
+
+#[test]
+fn a_secret_that_looks_like_a_number_is_still_a_secret() {
+    Jail::expect_with(|jail| {
+        jail.set_env("CLICKAGG__CLICKHOUSE__PASSWORD", "12345");
+        jail.set_env("CLICKAGG__KAFKA__SASL_PASSWORD", "true");
+        let s = Settings::load(None, vec![]).unwrap();
+        assert_eq!(s.clickhouse.password.unwrap().expose(), "12345");
+        assert_eq!(s.kafka.sasl_password.unwrap().expose(), "true");
+        Ok(())
+    });
 }

@@ -10,6 +10,7 @@
 //! verdict is pinned. So a reader that rebuilt one partition's state from the log alone,
 //! with the pins, decides exactly as the live member did.
 
+use super::fingerprint::Fingerprint;
 use std::collections::HashMap;
 
 use super::clock::{PartitionClock, Secs};
@@ -254,6 +255,22 @@ pub fn counted_offsets(log: &[(i64, Option<i64>, Option<u128>)], window: Secs) -
         }
     }
     out
+}
+
+/// One click to claim: its fingerprint, where it was sighted, and how (`ClaimMode`).
+#[derive(Debug, Clone, Copy)]
+pub struct Claim {
+    pub fingerprint: Fingerprint,
+    pub sighting: Sighting,
+    pub mode: ClaimMode,
+}
+
+/// One poll batch's claims, with the generation of the reader each came from (a reader
+/// rewound after a wait gets a new one).
+#[derive(Debug, Clone, Default)]
+pub struct ClaimBatch {
+    pub claims: Vec<Claim>,
+    pub generations: Vec<u64>,
 }
 
 #[cfg(test)]

@@ -23,7 +23,7 @@
 //! # Who holds the state
 //!
 //! The definition needs, per partition, the sightings of the last `W` of record time.
-//! - **The shared cache** ([`shared`], Redis) is a cache of that state, kept by live
+//! - **The shared cache** (`cache`, Redis) is a cache of that state, kept by live
 //!   members. Its entries are deleted `W + dedup.max_record_lag` after their last
 //!   sighting: garbage collection, never a decision. A member trusts it only while its
 //!   partition lags the wall clock by less than `max_record_lag`; a re-read at or below
@@ -39,20 +39,15 @@
 //! Redis, offsets moved forward) first replays that stretch of the log into the cache
 //! without counting (a warm-up); see `pipeline`.
 
-pub mod cache;
-pub mod claimer;
 pub mod clock;
 pub mod decide;
 pub mod fingerprint;
 pub mod rules;
-pub mod sweeper;
 
 #[cfg(test)]
 mod model;
 
-pub use cache::{Claim, ClaimBatch, DedupError, Lost, Recovery, RedisTarget, SharedCache, Wait};
-pub use claimer::{Claimer, Verdicts};
 pub use clock::{Checkpoint, PartitionClock, Secs, CLOCK_JUMP};
-pub use decide::{decide_shared, Chain, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
+pub use decide::{decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
 pub use fingerprint::{Fingerprint, Fingerprinter};
 pub use rules::Rules;

@@ -51,7 +51,7 @@ async fn sum_metric(members: &[&Member], name: &str) -> f64 {
 /// batch's claims.
 fn first_group_key(env: &TestEnv) -> String {
     let s = env.settings();
-    clickagg::dedup::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic).expect("cache settings").shard_key(0)
+    clickagg::cache::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic).expect("cache settings").shard_key(0)
 }
 
 /// The billing counts each ClickHouse node holds in its own replica (through FINAL),
@@ -82,8 +82,8 @@ async fn the_redis_function_decides_as_the_rust_model_does_on_a_redis_cluster() 
     let s = env.settings();
     assert!(s.redis.is_cluster(), "the seed nodes make it a cluster client");
     let window = helpers::cache_model::WINDOW;
-    let cache = clickagg::dedup::SharedCache::new(
-        clickagg::dedup::RedisTarget::from_settings(&s.redis).unwrap(),
+    let cache = clickagg::cache::SharedCache::new(
+        clickagg::cache::RedisTarget::from_settings(&s.redis).unwrap(),
         &env.redis_prefix,
         &env.topic,
         helpers::cache_model::SHARDS,

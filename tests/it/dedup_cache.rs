@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use clickagg::dedup::SharedCache;
+use clickagg::cache::SharedCache;
 
 use crate::helpers::cache_model::{compare, SHARDS, WINDOW};
 use crate::helpers::TestEnv;
@@ -13,7 +13,7 @@ fn cache_in_groups(env: &TestEnv, groups: u32) -> SharedCache {
     let s = env.settings();
     let window = WINDOW;
     SharedCache::new(
-        clickagg::dedup::RedisTarget::client(&s.redis).unwrap(),
+        clickagg::cache::RedisTarget::client(&s.redis).unwrap(),
         &env.redis_prefix,
         &env.topic,
         SHARDS,

@@ -6,9 +6,8 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
-use clickagg::dedup::{
-    decide_shared, Chain, Claim, ClaimMode, Fingerprint, Frontier, Pin, SharedCache, Sighting, Verdict,
-};
+use clickagg::cache::SharedCache;
+use clickagg::dedup::{decide_shared, Chain, Claim, ClaimMode, Fingerprint, Frontier, Pin, Sighting, Verdict};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

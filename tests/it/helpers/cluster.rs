@@ -124,7 +124,7 @@ impl ClusterStack {
 
     /// The Redis node (its number) that serves `key`'s slot as master, asking node `ask`.
     pub async fn redis_master_of(&self, key: &str, ask: usize) -> Result<usize, String> {
-        let slot = clickagg::dedup::cache::slot_of(key);
+        let slot = clickagg::cache::slot_of(key);
         let nodes = self.redis_cluster_nodes(ask).await?;
         nodes
             .iter()

@@ -39,13 +39,13 @@ pub enum Command {
     Reconcile(crate::reconcile::ReconcileArgs),
     /// The consumer group from Kafka and ClickHouse: each partition's owner, lag and last
     /// durable flush; exit 4 when a partition stalled.
-    Status(crate::commands::status::StatusArgs),
+    Status(super::status::StatusArgs),
     /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
     Config,
     /// The settings that decide which clicks count, as the topic records them; change
     /// them on purpose (README, "Changing what counts").
     #[command(subcommand)]
-    Settings(crate::commands::settings::SettingsCommand),
+    Settings(super::settings::SettingsCommand),
 }
 
 /// Connection and pipeline flags shared by every command.

@@ -5,8 +5,10 @@ use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
-use super::cache::{Claim, ClaimBatch, DedupError, SharedCache};
-use super::decide::Verdict;
+use super::error::DedupError;
+use super::shared::SharedCache;
+use crate::dedup::Verdict;
+use crate::dedup::{Claim, ClaimBatch};
 use crate::health::RedisTrouble;
 use crate::retry::{Retry, Stopped};
 

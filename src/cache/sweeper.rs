@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
-use super::cache::{DedupError, SharedCache};
-use super::clock::Secs;
+use super::error::DedupError;
+use super::shared::SharedCache;
+use crate::dedup::Secs;
 
 /// The garbage collector of the shared cache, run by every member: it walks all shards
 /// once per quarter of `max_record_lag` (starting at a random shard, so members spread

@@ -1,0 +1,335 @@
+//! Claims: one `FCALL` per key group per poll batch (`mod.rs`), the frontiers they leave,
+//! and a reader's restart of a partition after a warm-up.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+
+use futures_util::future::join_all;
+use redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+use redis::Value;
+
+use super::error::{DedupError, Lost};
+use super::shared::SharedCache;
+use super::target::{slot_of, Conn, Node};
+use crate::dedup::{Claim, Secs, Verdict};
+use crate::position::CacheFrontier;
+
+/// Bytes of one packed claim (`claim.lua`, `CLAIM`).
+const CLAIM_SIZE: usize = 28;
+
+/// One group's answer to a claim call: `OK` or `LOST`, a verdict byte per claim, and the
+/// partitions that are not ready (or, when lost, why).
+type ClaimReply = (String, Vec<u8>, String);
+
+impl SharedCache {
+    /// The `FCALL` that claims `members` (positions in `claims`, all in `group`), with
+    /// the poll batch's marks and what this handle saw acknowledged before.
+    pub(super) fn claim_call(
+        &self,
+        group: u32,
+        members: &[usize],
+        claims: &[Claim],
+        marks: &[u8],
+        expect: &[u8],
+    ) -> redis::Cmd {
+        let mut partitions: Vec<i32> = members.iter().map(|&i| claims[i].sighting.partition).collect();
+        partitions.sort_unstable();
+        partitions.dedup();
+        let mut keys = vec![self.ns_key(group), self.frontier_key(group)];
+        keys.extend(partitions.iter().map(|&p| self.x_key(group, p)));
+        // A u32 index: a poll batch may touch more shard hashes than a u16 counts.
+        let mut index: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut blob = Vec::with_capacity(members.len() * CLAIM_SIZE);
+        for &i in members {
+            let c = &claims[i];
+            let shard = c.fingerprint.shard(self.shards);
+            let ki = *index.entry(shard).or_insert_with(|| {
+                keys.push(self.shard_key(shard));
+                keys.len() as u32
+            });
+            let s = c.sighting;
+            blob.extend_from_slice(&ki.to_be_bytes());
+            blob.extend_from_slice(&c.fingerprint.field());
+            blob.extend_from_slice(&(s.partition as u16).to_be_bytes());
+            blob.extend_from_slice(&(s.offset as u64).to_be_bytes()[2..]);
+            blob.extend_from_slice(&s.clock.to_be_bytes());
+            blob.push(u8::from(c.mode.pin.is_some()) | u8::from(c.mode.warm) << 1);
+        }
+        let named: Vec<String> = partitions.iter().map(i32::to_string).collect();
+        let mut cmd = redis::cmd("FCALL");
+        cmd.arg(&self.functions.claim)
+            .arg(keys.len())
+            .arg(&keys)
+            .arg(self.namespace())
+            .arg(self.window)
+            .arg(blob)
+            .arg(named.join(","))
+            .arg(marks)
+            .arg(expect)
+            .arg(self.partitions.load(Ordering::Relaxed));
+        cmd
+    }
+
+    /// Claims every click, in order, with one `FCALL` per key group; verdicts come back
+    /// in input order. A click appearing twice is decided in order. Returns only once the
+    /// claims are as durable as `redis.wait_replicas` asks.
+    ///
+    /// With no claims it still asks every group whether it holds what this member relies
+    /// on (an idle member's check for a lost cache). A sighting that must wait for another
+    /// partition's state to be rebuilt is answered [`Verdict::Wait`], and so is every later
+    /// one of its partition in that group: the reader reads them again later (claimed
+    /// again, the ones decided now answer what they answered now).
+    pub async fn claim(&mut self, claims: &[Claim]) -> Result<Vec<Verdict>, DedupError> {
+        self.ensure_open().await?;
+        // Per group: the claims' positions in `claims`, in order. Every group gets a call,
+        // with the marks: the highest offset claimed per partition and its record time.
+        let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); self.groups as usize];
+        let mut marks: BTreeMap<i32, (i64, Secs)> = BTreeMap::new();
+        for (i, c) in claims.iter().enumerate() {
+            by_group[self.group_of(c.fingerprint.shard(self.shards)) as usize].push(i);
+            let s = c.sighting;
+            let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
+            if s.offset >= mark.0 {
+                *mark = (s.offset, s.clock);
+            }
+        }
+        let mut mark_blob = Vec::with_capacity(marks.len() * 12);
+        for (&p, &(o, clock)) in &marks {
+            mark_blob.extend_from_slice(&(p as u16).to_be_bytes());
+            mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+            mark_blob.extend_from_slice(&clock.to_be_bytes());
+        }
+        // What this handle saw acknowledged: of the batch's partitions, or of all it
+        // claimed for when this is an idle check.
+        let ns = self.namespace();
+        if self.acked.0 != ns {
+            self.acked = (ns, BTreeMap::new());
+        }
+        let mut expect = Vec::new();
+        for (&p, &o) in &self.acked.1 {
+            if claims.is_empty() || marks.contains_key(&p) {
+                expect.extend_from_slice(&(p as u16).to_be_bytes());
+                expect.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+            }
+        }
+        let calls: Vec<redis::Cmd> =
+            (0..self.groups).map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect)).collect();
+        let replies = self.run_claims(calls).await?;
+        let mut verdicts = vec![Verdict::Undecidable; claims.len()];
+        let mut unready = std::collections::BTreeSet::new();
+        for (g, (members, reply)) in by_group.iter().zip(replies).enumerate() {
+            let (status, codes, detail) = reply;
+            if status == "LOST" {
+                let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
+                return Err(DedupError::Lost(Lost {
+                    group: g as u32,
+                    why: why.to_string(),
+                    detail: detail.to_string(),
+                }));
+            }
+            if codes.len() != members.len() {
+                return Err(DedupError::Fatal(format!("{} verdicts for {} claims", codes.len(), members.len())));
+            }
+            for (&i, &code) in members.iter().zip(&codes) {
+                verdicts[i] = Verdict::from_code(code)
+                    .ok_or_else(|| DedupError::Fatal(format!("unknown verdict byte {code}")))?;
+            }
+            unready.extend(detail.split(',').filter(|p| !p.is_empty()).map(str::to_string));
+        }
+        // A partition with a sighting that waits did not reach its mark in the group that
+        // held it: what is acknowledged of it stays where it was.
+        let waiting: std::collections::BTreeSet<i32> = claims
+            .iter()
+            .zip(&verdicts)
+            .filter(|(_, v)| **v == Verdict::Wait)
+            .map(|(c, _)| c.sighting.partition)
+            .collect();
+        if !waiting.is_empty() {
+            let unready: Vec<String> = unready.into_iter().collect();
+            tracing::debug!(?waiting, unready = %unready.join(","), "sightings wait for other partitions' state");
+        }
+        for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !waiting.contains(p)) {
+            let seen = self.acked.1.entry(p).or_insert(o);
+            *seen = (*seen).max(o);
+        }
+        Ok(verdicts)
+    }
+
+    /// Sends the claim calls (one per group, in group order) and returns their replies in
+    /// that order: one pipeline on a single Redis; on a cluster one pipeline per master,
+    /// all masters at once. Each pipeline ends with `WAIT` when claims must be durable:
+    /// on the same connection, after the calls, so it counts exactly their writes.
+    pub(super) async fn run_claims(&mut self, calls: Vec<redis::Cmd>) -> Result<Vec<ClaimReply>, DedupError> {
+        let wait = self.wait;
+        let groups: Vec<u32> = (0..self.groups).collect();
+        let slots_of: Vec<u16> = groups.iter().map(|&g| slot_of(&self.frontier_key(g))).collect();
+        let result = match self.connection().await? {
+            Conn::Single(conn) => {
+                let mut pipe = redis::pipe();
+                for cmd in calls {
+                    pipe.add_command(cmd);
+                }
+                if let Some(w) = wait {
+                    pipe.cmd("WAIT").arg(w.replicas).arg(w.timeout.as_millis() as u64);
+                }
+                pipe.query_async::<Vec<Value>>(conn).await.map(|values| vec![values])
+            }
+            Conn::Cluster { conn, slots } => {
+                // The groups of each master, in group order.
+                let mut by_node: BTreeMap<Node, Vec<usize>> = BTreeMap::new();
+                for (g, &slot) in slots_of.iter().enumerate() {
+                    let node = slots.master_of(slot).cloned().unwrap_or_else(|| (String::new(), slot));
+                    by_node.entry(node).or_default().push(g);
+                }
+                let mut calls: Vec<Option<redis::Cmd>> = calls.into_iter().map(Some).collect();
+                let pipelines: Vec<(Vec<usize>, redis::Pipeline)> = by_node
+                    .into_values()
+                    .map(|gs| {
+                        let mut pipe = redis::pipe();
+                        for &g in &gs {
+                            pipe.add_command(calls[g].take().expect("each group once"));
+                        }
+                        if let Some(w) = wait {
+                            pipe.cmd("WAIT").arg(w.replicas).arg(w.timeout.as_millis() as u64);
+                        }
+                        (gs, pipe)
+                    })
+                    .collect();
+                let sends = pipelines.iter().map(|(gs, pipe)| {
+                    let mut conn = conn.clone();
+                    // To the master of the first group's slot; the other groups' slots are
+                    // on it too, by the slot map (if it is stale the node redirects).
+                    let route = SingleNodeRoutingInfo::SpecificNode(Route::new(slots_of[gs[0]], SlotAddr::Master));
+                    async move { conn.route_pipeline(pipe.clone(), 0, pipe.len(), route).await }
+                });
+                let mut by_group: Vec<Value> = vec![Value::Nil; groups.len()];
+                let mut waits = Vec::new();
+                let mut failed = None;
+                for ((gs, _), reply) in pipelines.iter().zip(join_all(sends).await) {
+                    match reply
+                        .and_then(|values| values.into_iter().map(Value::extract_error).collect::<Result<Vec<_>, _>>())
+                    {
+                        Ok(mut values) => {
+                            if wait.is_some() {
+                                waits.push(values.pop().unwrap_or(Value::Nil));
+                            }
+                            for (&g, v) in gs.iter().zip(values) {
+                                by_group[g] = v;
+                            }
+                        }
+                        Err(e) => failed = failed.or(Some(e)),
+                    }
+                }
+                match failed {
+                    Some(e) => Err(e),
+                    None => {
+                        by_group.extend(waits);
+                        Ok(vec![by_group])
+                    }
+                }
+            }
+        };
+        let mut values = match result {
+            Ok(mut v) => v.pop().expect("one list"),
+            Err(e) => {
+                self.conn = None;
+                return Err(DedupError::classify(e));
+            }
+        };
+        // The WAIT replies follow the groups' replies; the fewest replicas counts.
+        let acked = values.split_off(groups.len());
+        if let Some(w) = wait {
+            let fewest = acked.iter().map(|v| redis::from_redis_value_ref::<i64>(v).unwrap_or(0)).min().unwrap_or(0);
+            if fewest < i64::from(w.replicas) {
+                return Err(DedupError::unreachable(format!(
+                    "claims acknowledged by {fewest} of the {} replicas redis.wait_replicas asks for within {:?} \
+                     (redis.wait_timeout); claiming again",
+                    w.replicas, w.timeout
+                )));
+            }
+        }
+        values
+            .into_iter()
+            .map(|v| {
+                let (status, codes, detail): (String, Vec<u8>, String) =
+                    redis::from_redis_value(v).map_err(|e| DedupError::Fatal(format!("claim reply: {e}")))?;
+                Ok((status, codes, detail))
+            })
+            .collect()
+    }
+
+    /// Per partition, what each key group says: the highest offset claimed, its record
+    /// time, and where its state is exact from (`position::merge_frontiers` merges them).
+    pub async fn frontiers(
+        &mut self,
+        partitions: &[i32],
+    ) -> Result<BTreeMap<i32, Vec<Option<CacheFrontier>>>, DedupError> {
+        if partitions.is_empty() {
+            return Ok(BTreeMap::new());
+        }
+        self.ensure_open().await?;
+        let cmds = (0..self.groups)
+            .map(|g| {
+                let mut cmd = redis::cmd("HMGET");
+                cmd.arg(self.frontier_key(g)).arg(partitions);
+                cmd
+            })
+            .collect();
+        let replies = self.each(cmds).await?;
+        let u48 = |b: &[u8]| {
+            let mut x = [0u8; 8];
+            x[2..].copy_from_slice(b);
+            i64::from_be_bytes(x)
+        };
+        let mut out: BTreeMap<i32, Vec<Option<CacheFrontier>>> = BTreeMap::new();
+        for reply in replies {
+            let values: Vec<Option<Vec<u8>>> =
+                redis::from_redis_value(reply).map_err(|e| DedupError::Fatal(format!("frontier reply: {e}")))?;
+            for (&p, v) in partitions.iter().zip(values) {
+                let f = v.filter(|v| v.len() == 16).map(|v| CacheFrontier {
+                    claimed: u48(&v[..6]) - 1,
+                    clock: Secs::from_be_bytes(v[6..10].try_into().expect("4 bytes")),
+                    exact_from: u48(&v[10..16]),
+                });
+                out.entry(p).or_default().push(f);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Before a reader counts `partition` from `boundary` after a warm-up from
+    /// `lookback`: unless the cache is already past the lookback, its re-reads are
+    /// decided only from `boundary` on (`claim.lua`, `restart`), in every key group, and
+    /// the partition is not ready until the warm-up reaches the boundary. A partition
+    /// the namespace never saw gets its frontier here, so that others wait for it.
+    pub async fn restart(&mut self, partition: i32, lookback: i64, boundary: i64) -> Result<(), DedupError> {
+        self.ensure_open().await?;
+        let ns = self.namespace();
+        let cmds = (0..self.groups)
+            .map(|g| {
+                let mut cmd = redis::cmd("FCALL");
+                cmd.arg(&self.functions.restart)
+                    .arg(2)
+                    .arg(self.ns_key(g))
+                    .arg(self.frontier_key(g))
+                    .arg(&ns)
+                    .arg(partition)
+                    .arg(lookback)
+                    .arg(boundary);
+                cmd
+            })
+            .collect();
+        for (g, reply) in self.each(cmds).await?.into_iter().enumerate() {
+            if let Value::Array(parts) = reply {
+                let detail: String = parts.get(2).and_then(|v| redis::from_redis_value_ref(v).ok()).unwrap_or_default();
+                let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
+                return Err(DedupError::Lost(Lost {
+                    group: g as u32,
+                    why: why.to_string(),
+                    detail: detail.to_string(),
+                }));
+            }
+        }
+        Ok(())
+    }
+}
