@@ -64,6 +64,10 @@ pub struct GroupContext {
     /// Set while the loop holds consumption paused (backpressure): partitions assigned
     /// meanwhile are paused as they arrive, or they would be read without bound.
     paused: Arc<AtomicBool>,
+    /// Set when planning an assignment found the dedup cache lost: the partitions are
+    /// assigned unplanned (their records are dropped) and the loop starts every assigned
+    /// partition over (`Loop::start_over`), which first moves to the renewed namespace.
+    lost_in_plan: std::sync::Mutex<Option<Lost>>,
 }
 
 impl GroupContext {
@@ -91,6 +95,14 @@ impl GroupContext {
             let planned = self.block_on(async { self.planner.lock().await.plan_starts(consumer, partitions).await });
             let e = match planned {
                 Ok(starts) => return Some(starts),
+                Err(PipelineError::Dedup(DedupError::Lost(lost))) => {
+                    // Retrying cannot help: the namespace this member decides in is gone
+                    // (Redis lost its data, or another member renewed it), and only the
+                    // loop can move to another one, after the batches in flight.
+                    warn!(%lost, ?partitions, "the dedup cache was lost while planning; the loop starts every partition over");
+                    self.lost_in_plan.lock().expect("not poisoned").get_or_insert(lost);
+                    return Some(Vec::new());
+                }
                 Err(e) => e,
             };
             let kafka = matches!(e, PipelineError::Kafka(_));
@@ -335,6 +347,7 @@ impl Member {
             max_backoff: s.pipeline.max_backoff,
             drain_timeout: s.pipeline.drain_timeout,
             paused: paused.clone(),
+            lost_in_plan: std::sync::Mutex::new(None),
         };
         let consumer: Arc<StreamConsumer<GroupContext>> =
             Arc::new(source::group_consumer_config(&s.kafka).create_with_context(context)?);
@@ -430,6 +443,14 @@ impl Loop<'_> {
         let mut last_holds = Instant::now();
 
         loop {
+            if let Some(l) = self.consumer.context().lost_in_plan.lock().expect("not poisoned").take() {
+                lost.get_or_insert(l);
+            }
+            if in_flight.is_empty() {
+                if let Some(l) = lost.take() {
+                    self.start_over(&l, s.pipeline.max_backoff, shutdown).await?;
+                }
+            }
             let paused = self.backpressure(max_unflushed).await?;
             tokio::select! {
                 biased;
@@ -450,11 +471,6 @@ impl Loop<'_> {
                             lost.get_or_insert(l);
                         }
                         Err(e) => return Err(e.into()),
-                    }
-                    if in_flight.is_empty() {
-                        if let Some(l) = lost.take() {
-                            self.start_over(&l, s.pipeline.max_backoff, shutdown).await?;
-                        }
                     }
                 }
                 // Always armed: besides cutting flushes, the tick re-checks backpressure

@@ -217,15 +217,21 @@ impl Planner {
         Ok(())
     }
 
-    /// After the cache was lost (and renewed): plans every partition of `stages` again
-    /// from its committed offset, with a warm-up that rebuilds its state in the new
-    /// namespace, seeks the consumer there, and starts the stages over.
+    /// After the cache was lost (and renewed): plans every assigned partition again from
+    /// its committed offset, with a warm-up that rebuilds its state in the new namespace,
+    /// seeks the consumer there, and starts the stages over. The assignment, not the
+    /// stages: a partition whose plan found the cache lost was assigned unplanned.
     pub async fn start_over<X: ConsumerContext>(
         &mut self,
         consumer: &impl Consumer<X>,
         stages: &mut Stages,
     ) -> Result<(), PipelineError> {
-        let partitions: Vec<i32> = stages.partitions().collect();
+        let assigned = consumer.assignment()?;
+        let mut partitions: Vec<i32> =
+            assigned.elements().iter().filter(|e| e.topic() == self.topic).map(|e| e.partition()).collect();
+        partitions.extend(stages.partitions());
+        partitions.sort_unstable();
+        partitions.dedup();
         let starts =
             tokio::task::block_in_place(|| Handle::current().block_on(self.plan_starts(consumer, &partitions)))?;
         let timeout = Duration::from_secs(10);

@@ -63,6 +63,31 @@ async fn redis_restarted_without_persistence_mid_run_counts_exactly() {
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
+/// A member whose rebalance plans its new partitions while Redis is away, and finds it
+/// back empty: the plan must move the member to a new namespace and rebuild, not retry
+/// inside the rebalance forever (seen in chaos: a partition made no progress until that
+/// member was killed, as its namespace no longer existed and nothing else renewed it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_planned_across_a_redis_restarted_empty_counts_exactly() {
+    let stack = PrivateStack::start("redis-plan-lost", &["redis"]).await;
+    let env = TestEnv::with_stack("planlost", &stack).await;
+    let (records, truth) = env.plan(retries_and_copies(40_000, 163));
+    let producer = env.spawn_producer(&records, 4, 2_000);
+    let mut a = env.spawn_member("a");
+    let mut b = env.spawn_member("b");
+    consumed_at_least(&b, 3_000).await;
+    stack.down("redis").await;
+    // `b` takes over `a`'s partitions once `a`'s session (6 s) expired, and plans them
+    // while Redis is down.
+    a.kill9().await;
+    b.wait_for_line("cannot plan where the assigned partitions start yet", 0, Duration::from_secs(60)).await;
+    stack.wipe_redis_data();
+    stack.up("redis").await;
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+}
+
 /// The first half of a generated topic counted live under the default settings, then the
 /// second half (whose retries repeat clicks of the first) produced while no member runs.
 async fn half_counted(name: &str, seed: u64) -> (TestEnv, BTreeMap<BucketKey, u64>) {

@@ -129,6 +129,12 @@ impl PrivateStack {
     /// persistence, or a failover to an empty replica, does to the dedup cache.
     pub async fn restart_redis_empty(&self) {
         self.down("redis").await;
+        self.wipe_redis_data();
+        self.up("redis").await;
+    }
+
+    /// Deletes the data of this stack's Redis, which must be down.
+    pub fn wipe_redis_data(&self) {
         let data = self.dir.join("redis");
         for name in ["appendonlydir", "appendonly.aof", "dump.rdb"] {
             let path = data.join(name);
@@ -138,7 +144,6 @@ impl PrivateStack {
                 std::fs::remove_file(&path).expect("remove a Redis data file");
             }
         }
-        self.up("redis").await;
     }
 
     /// Runs Kafka's `kafka-acls` tool against this stack's broker (`scripts/stack acls`,
