@@ -1,0 +1,230 @@
+//! One consumer-group member (`clickagg run`): the loop that drives [`Stages`].
+//!
+//! One loop (`select!` over shutdown, a fatal signal, the next batch of verdicts, the
+//! flush ticker and the next poll batch) drives the stages, with two helpers running
+//! beside it: the `Claimer`, which applies each poll batch's claims in Redis in order
+//! while the loop decodes the next batch, and the `Flusher`, which makes the cut flushes
+//! durable and then commits (the one owner of commits).
+//!
+//! Rebalance callbacks from librdkafka run *inside* the loop's poll of the consumer, on
+//! the same task, so they reach the same `Stages` through a mutex that is never
+//! contended. On revoke they cut the partitions' state, hand it to the flusher and wait
+//! until it is durable and committed before librdkafka lets the partitions go
+//! (docs/DESIGN.md §8: flush, then commit, then release). On assign they plan where each
+//! partition starts (the batch boundary at or below its committed offset, after a
+//! warm-up if the dedup cache needs one, `position`) and hand librdkafka those offsets,
+//! whatever an operator reset the group to.
+//!
+//! Files: `rebalance` (the consumer context: assign and revoke), `poll_loop` (the loop),
+//! `checks` (what a member refuses to start with).
+
+mod checks;
+mod poll_loop;
+mod rebalance;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::runtime::Handle;
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info};
+
+use crate::cache::Claimer;
+use crate::config::Settings;
+use crate::dead_letter::DeadLetters;
+use crate::flusher::{Committer, Flusher, FlusherConfig};
+use crate::health::Health;
+use crate::pipeline::{Stages, StagesConfig};
+use crate::planner::{until_done, PipelineError, Planner};
+use crate::retry::FatalSignal;
+use crate::sink::{Sink, Writer};
+use crate::source;
+use crate::telemetry::RateLimiter;
+
+use checks::{check_recorded_rules, check_topic_config, check_topic_not_recreated, wait_for_redis};
+use poll_loop::Loop;
+use rebalance::GroupContext;
+
+/// How a member ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    /// Everything read was flushed and committed.
+    Drained,
+    /// The drain timeout passed first; nothing unflushed was committed, and the next
+    /// owner re-reads the open batches.
+    DrainTimedOut,
+}
+
+/// Everything a member needs that is built before the loop starts.
+pub struct Member {
+    pub settings: Settings,
+    pub health: Arc<Health>,
+}
+
+impl Member {
+    /// Connects, checks the stored batch size and the setup, joins the group and runs the
+    /// loop until `shutdown`; then flushes, commits and leaves within the drain timeout.
+    pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
+        let s = &self.settings;
+        let sink = Sink::new(&s.clickhouse);
+        // Start-up steps wait out transient failures (services still coming up, a cluster
+        // failing over). Stopped meanwhile, the member has joined no group and read
+        // nothing, so the stop owes nothing: exit 0.
+        let started = async {
+            let (ch, backoff) = (&sink, s.pipeline.max_backoff);
+            until_done("reaching ClickHouse", backoff, &shutdown, || async { Ok(ch.ping().await?) }).await?;
+            until_done("registering pipeline.batch_offsets", backoff, &shutdown, || async {
+                Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
+            })
+            .await?;
+            until_done("checking the topic against the stored batches", backoff, &shutdown, || {
+                check_topic_not_recreated(s, ch)
+            })
+            .await?;
+            let rules =
+                until_done("checking the recorded dedup settings", backoff, &shutdown, || check_recorded_rules(s, ch))
+                    .await?;
+            self.health.set_clickhouse(true);
+            check_topic_config(s).await?;
+            let mut cache = crate::cache::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
+            wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
+            Ok::<_, PipelineError>((cache, rules))
+        }
+        .await;
+        let (cache, rules) = match started {
+            Err(PipelineError::ShutDown(what)) => {
+                info!(%what, "shut down before joining the group; nothing was read");
+                return Ok(Exit::Drained);
+            }
+            started => started?,
+        };
+        let sweeper = CancellationToken::new();
+        tokio::spawn(crate::cache::sweeper::sweep_forever(
+            cache.handle(),
+            s.dedup_window(),
+            s.dedup.max_record_lag,
+            sweeper.clone(),
+        ));
+        let dead_letters = if s.dead_letter.enabled {
+            let topic = s.dead_letter_topic();
+            source::ensure_topic(&s.kafka, &topic, 1).await?;
+            Some(DeadLetters::new(&s.kafka, topic, "run")?)
+        } else {
+            None
+        };
+
+        // The flusher commits through the consumer, which is built after it: a weak
+        // reference, so that dropping the consumer (leaving the group) is not delayed.
+        let consumer_cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>> = Arc::new(OnceLock::new());
+        let fatal = FatalSignal::default();
+        let flusher = Arc::new(Flusher::start(FlusherConfig {
+            sink: sink.clone(),
+            topic: s.kafka.topic.clone(),
+            writer: Writer::Member,
+            committer: Some(committer(consumer_cell.clone(), s.kafka.topic.clone())),
+            dead_letters,
+            cache: Some(cache.handle()),
+            health: self.health.clone(),
+            max_backoff: s.pipeline.max_backoff,
+            fatal: fatal.clone(),
+        }));
+        let (claimer, verdicts) = Claimer::start(cache.handle(), s.pipeline.max_backoff, self.health.clone());
+        let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.clone())));
+        let planner = Arc::new(Mutex::new(Planner::new(
+            &s.kafka.topic,
+            sink,
+            Some(cache),
+            s.batch_offsets(),
+            s.rules().window(),
+            s.dedup.max_record_lag,
+            Some(rules),
+        )));
+        let paused = Arc::new(AtomicBool::new(false));
+        let context = GroupContext {
+            stages: stages.clone(),
+            planner: planner.clone(),
+            flusher: flusher.clone(),
+            topic: s.kafka.topic.clone(),
+            runtime: Handle::current(),
+            fatal: fatal.clone(),
+            shutdown: shutdown.clone(),
+            max_backoff: s.pipeline.max_backoff,
+            drain_timeout: s.pipeline.drain_timeout,
+            paused: paused.clone(),
+            lost_in_plan: std::sync::Mutex::new(None),
+        };
+        let consumer: Arc<StreamConsumer<GroupContext>> =
+            Arc::new(source::group_consumer_config(&s.kafka).create_with_context(context)?);
+        let _ = consumer_cell.set(Arc::downgrade(&consumer));
+        consumer.subscribe(&[s.kafka.topic.as_str()])?;
+        info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
+
+        let parts = Loop {
+            consumer: &consumer,
+            stages: &stages,
+            planner: &planner,
+            flusher: &flusher,
+            claimer,
+            verdicts,
+            health: &self.health,
+            paused: &paused,
+            holds: BTreeMap::new(),
+            rewound: BTreeMap::new(),
+            max_backoff: s.pipeline.max_backoff,
+            shutdown: &shutdown,
+            log_waits: RateLimiter::new(Duration::from_secs(5)),
+            topic: &s.kafka.topic,
+        };
+        let exit = match parts.run(s, &shutdown, &fatal).await {
+            Ok(()) => drain(&stages, &flusher, s.pipeline.drain_timeout).await,
+            Err(e) => {
+                // Fatal: do not write or commit anything more on the way out.
+                flusher.abandon();
+                Err(e)
+            }
+        };
+        // Dropping the consumer leaves the group; the revoke callback runs in here.
+        drop(consumer);
+        sweeper.cancel();
+        let totals = stages.lock().await.totals;
+        info!(?totals, rows_flushed = flusher.rows_flushed(), "member stopped");
+        exit
+    }
+}
+
+/// Commits `offsets` through the group consumer, once it exists and while it does.
+fn committer(cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>>, topic: String) -> Committer {
+    Box::new(move |offsets: &BTreeMap<i32, i64>, mode: CommitMode| {
+        let Some(consumer) = cell.get().and_then(Weak::upgrade) else { return Ok(()) };
+        let mut tpl = TopicPartitionList::new();
+        for (&p, &offset) in offsets {
+            tpl.add_partition_offset(&topic, p, Offset::Offset(offset))?;
+        }
+        consumer.commit(&tpl, mode)
+    })
+}
+
+/// Final flush and synchronous commit. Past the drain timeout, nothing more is written
+/// or committed and the exit is reported as [`Exit::DrainTimedOut`].
+async fn drain(stages: &Mutex<Stages>, flusher: &Flusher, timeout: Duration) -> Result<Exit, PipelineError> {
+    let deadline = Instant::now() + timeout;
+    let (job, last_read) = {
+        let mut st = stages.lock().await;
+        let last_read = st.agg.last_offsets();
+        info!(unflushed_buckets = st.unflushed_buckets(), ?last_read, "draining: final flush and commit");
+        (st.cut(CommitMode::Sync), last_read)
+    };
+    if flusher.drain(job, deadline).await {
+        info!(last_read = %serde_json::to_string(&last_read).unwrap_or_default(), "drained: everything read is flushed and committed");
+        Ok(Exit::Drained)
+    } else {
+        error!(timeout_ms = timeout.as_millis() as u64, "drain timed out; leaving without committing unflushed work");
+        flusher.abandon();
+        Ok(Exit::DrainTimedOut)
+    }
+}

@@ -1,0 +1,337 @@
+//! The loop: one `select!` over shutdown, a fatal signal, the next batch of verdicts,
+//! the flush ticker and the next poll batch; and what it does on a lost cache, a
+//! fall-back, a rewind and backpressure.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::rebalance::GroupContext;
+use crate::cache::{Claimer, DedupError, Lost, Recovery, Verdicts};
+use crate::config::Settings;
+use crate::flusher::Flusher;
+use crate::health::Health;
+use crate::pipeline::{Prepared, Stages};
+use crate::planner::{stopped_while, PipelineError, Planner};
+use crate::retry::{FatalSignal, Retry};
+use crate::source::{self, Record};
+use crate::telemetry::{self as t, RateLimiter};
+
+/// How often the loop tells the sweeper which partitions lag (`Loop::give_holds`).
+pub(super) const HOLDS_EVERY: Duration = Duration::from_secs(5);
+
+/// How long a partition rests after a rewind before it is read again (`Loop::rewind`).
+pub(super) const REWIND_PAUSE: Duration = Duration::from_millis(300);
+
+pub(super) const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The loop and what it drives.
+pub(super) struct Loop<'a> {
+    pub(super) consumer: &'a StreamConsumer<GroupContext>,
+    pub(super) stages: &'a Mutex<Stages>,
+    pub(super) planner: &'a Mutex<Planner>,
+    pub(super) flusher: &'a Flusher,
+    pub(super) claimer: Claimer,
+    pub(super) verdicts: Verdicts,
+    pub(super) health: &'a Health,
+    /// Shared with the rebalance callbacks (`GroupContext::paused`).
+    pub(super) paused: &'a AtomicBool,
+    /// The holds last given to the sweeper (`Stages::holds`).
+    pub(super) holds: BTreeMap<i32, Option<crate::dedup::Secs>>,
+    /// Partitions paused after a rewind, and when they resume (`Loop::rewind`).
+    pub(super) rewound: BTreeMap<i32, Instant>,
+    pub(super) max_backoff: Duration,
+    pub(super) shutdown: &'a CancellationToken,
+    pub(super) log_waits: RateLimiter,
+    pub(super) topic: &'a str,
+}
+
+impl Loop<'_> {
+    pub(super) async fn run(
+        mut self,
+        s: &Settings,
+        shutdown: &CancellationToken,
+        fatal: &FatalSignal,
+    ) -> Result<(), PipelineError> {
+        let max_unflushed = s.pipeline.max_unflushed_buckets;
+        let mut chunks = self.consumer.stream().ready_chunks(s.pipeline.max_poll_records);
+        let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Poll batches whose claims are in Redis, oldest first; their verdicts come back
+        // in this order. Two at most: one being decided while the next is decoded.
+        let mut in_flight: VecDeque<Prepared> = VecDeque::new();
+        let kafka_log = RateLimiter::new(Duration::from_secs(5));
+        let decoder = crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key);
+        // Set when a claim found the dedup cache lost: no more batches are read until
+        // those in flight are answered, then every partition starts over.
+        let mut lost: Option<Lost> = None;
+        let mut last_holds = Instant::now();
+
+        loop {
+            if let Some(l) = self.consumer.context().lost_in_plan.lock().expect("not poisoned").take() {
+                lost.get_or_insert(l);
+            }
+            if in_flight.is_empty() {
+                if let Some(l) = lost.take() {
+                    self.start_over(&l, s.pipeline.max_backoff, shutdown).await?;
+                }
+            }
+            let paused = self.backpressure(max_unflushed).await?;
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return Ok(()),
+                message = fatal.raised() => return Err(PipelineError::Fatal(message)),
+                answer = self.verdicts.recv(), if !in_flight.is_empty() => {
+                    let prepared = in_flight.pop_front().expect("checked");
+                    metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
+                    match answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))? {
+                        Ok(verdicts) if lost.is_none() => {
+                            if let Some(l) = self.apply(prepared, verdicts).await? {
+                                lost = Some(l);
+                            }
+                        }
+                        // After a loss, every batch is read again once the member started over.
+                        Ok(_) => {}
+                        Err(DedupError::Lost(l)) => {
+                            lost.get_or_insert(l);
+                        }
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+                // Always armed: besides cutting flushes, the tick re-checks backpressure
+                // while consumption is paused and nothing else wakes the loop.
+                _ = ticker.tick() => {
+                    if self.flusher.has_room() {
+                        let job = self.stages.lock().await.cut(CommitMode::Async);
+                        self.flusher.send(job).await;
+                    }
+                    if in_flight.is_empty() && lost.is_none() {
+                        // An idle member asks the cache too whether it still holds what the
+                        // member relies on: a loss must be noticed (and this member's
+                        // partitions rebuilt) even where no click arrives.
+                        self.claimer.claim(Default::default());
+                        in_flight.push_back(Prepared::empty());
+                    }
+                    self.resume_rewound()?;
+                    if last_holds.elapsed() >= HOLDS_EVERY {
+                        last_holds = Instant::now();
+                        self.give_holds().await;
+                    }
+                }
+                // Polled even with two batches in flight while paused: polling keeps the
+                // member in the group and serves rebalances through a long outage, and
+                // little arrives once consumption is paused.
+                chunk = chunks.next(), if (in_flight.len() < 2 || paused) && lost.is_none() => {
+                    let Some(chunk) = chunk else { return Ok(()) };
+                    let mut records = Vec::with_capacity(chunk.len());
+                    for message in chunk {
+                        match message {
+                            Ok(msg) => records.push(Record::decode(&msg, &decoder)),
+                            Err(e) => {
+                                metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
+                                if source::is_fatal_kafka(e.rdkafka_error_code()) {
+                                    fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
+                                }
+                                if kafka_log.allow("consume", Instant::now()).is_some() {
+                                    warn!(error = %e, "kafka consume error");
+                                }
+                            }
+                        }
+                    }
+                    let mut prepared = {
+                        let mut st = self.stages.lock().await;
+                        let mut planner = self.planner.lock().await;
+                        planner.ensure_pins(&mut st, &records, shutdown, s.pipeline.max_backoff).await?;
+                        drop(planner);
+                        st.prepare(records)
+                    };
+                    // Every batch goes through the claim task, claims or not, so that
+                    // the verdicts come back in batch order.
+                    self.claimer.claim(prepared.take_claims());
+                    metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).increment(prepared.len() as f64);
+                    in_flight.push_back(prepared);
+                }
+            }
+        }
+    }
+
+    /// After a claim found the dedup cache lost: moves to a new namespace (or the one
+    /// another member already moved to), fences the flusher (flushes cut so far commit
+    /// nothing) and starts every partition over from its committed offset, rebuilding
+    /// its state in the new namespace.
+    pub(super) async fn start_over(
+        &mut self,
+        lost: &Lost,
+        max_backoff: Duration,
+        shutdown: &CancellationToken,
+    ) -> Result<(), PipelineError> {
+        warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
+        self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
+        self.flusher.fence();
+        let mut retry = Retry::new(max_backoff, shutdown);
+        loop {
+            let attempt = async {
+                let mut st = self.stages.lock().await;
+                let mut planner = self.planner.lock().await;
+                let recovery = planner.cache().recover(lost).await?;
+                if let Recovery::Renewed(namespace) = &recovery {
+                    info!(%namespace, "dedup cache namespace");
+                }
+                planner.start_over(self.consumer, &mut st).await?;
+                self.flusher.set_owned(st.partitions());
+                Ok::<_, PipelineError>(())
+            };
+            match attempt.await {
+                Ok(()) => return Ok(()),
+                Err(e) => retry
+                    .after(e, |e| warn!(error = %e, "starting over after the dedup cache was lost failed; retrying"))
+                    .await
+                    .map_err(|stopped| stopped_while(stopped, "rebuilding the dedup cache"))?,
+            }
+        }
+    }
+
+    /// Tells the sweeper which partitions lag far enough behind to need old sightings
+    /// (`Stages::holds`), when that changed.
+    pub(super) async fn give_holds(&mut self) {
+        let st = self.stages.lock().await;
+        let (consumer, topic) = (self.consumer, self.topic);
+        let holds =
+            st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
+        if holds == self.holds {
+            return;
+        }
+        drop(st);
+        match self.planner.lock().await.cache().set_holds(&holds).await {
+            Ok(()) => {
+                let lagging: Vec<i32> = holds.iter().filter(|(_, h)| h.is_some()).map(|(&p, _)| p).collect();
+                metrics::gauge!(t::DEDUP_HELD_PARTITIONS).set(lagging.len() as f64);
+                if !lagging.is_empty() {
+                    info!(
+                        ?lagging,
+                        "partitions lag the wall clock: the dedup cache keeps the sightings they still need"
+                    );
+                }
+                self.holds = holds;
+            }
+            Err(e) => warn!(error = %e, "could not tell the dedup cache's sweeper which partitions lag; retrying"),
+        }
+    }
+
+    /// Applies one batch's verdicts; falls back partitions the cache cannot decide, and
+    /// hands a flush over when a batch completed.
+    /// Returns what was found lost, when a fall-back found the cache gone.
+    pub(super) async fn apply(
+        &mut self,
+        prepared: Prepared,
+        verdicts: Vec<crate::dedup::Verdict>,
+    ) -> Result<Option<Lost>, PipelineError> {
+        let mut st = self.stages.lock().await;
+        let applied = st.apply(prepared, verdicts);
+        drop(st);
+        for (p, why) in applied.fall_backs {
+            // Transient trouble (a broker restarting, ClickHouse or Redis away) is waited
+            // out; the fall-back changes nothing until every look-up succeeded.
+            let mut retry = Retry::new(self.max_backoff, self.shutdown);
+            loop {
+                let attempt = {
+                    let mut st = self.stages.lock().await;
+                    self.planner.lock().await.fall_back(self.consumer, &mut st, p, why).await
+                };
+                match attempt {
+                    Ok(()) => break,
+                    Err(PipelineError::Dedup(DedupError::Lost(l))) => return Ok(Some(l)),
+                    Err(e) => retry
+                        .after(e, |e| warn!(error = %e, partition = p, "re-reading a partition failed; retrying"))
+                        .await
+                        .map_err(|stopped| stopped_while(stopped, "re-reading a partition"))?,
+                }
+            }
+        }
+        for (p, from) in applied.rewinds {
+            self.rewind(p, from).await?;
+        }
+        let mut st = self.stages.lock().await;
+        if st.has_complete_batches() && self.flusher.has_room() {
+            let job = st.cut(CommitMode::Async);
+            drop(st);
+            self.flusher.send(job).await;
+        }
+        Ok(None)
+    }
+
+    /// Reads `partition` again from `from` after a short pause: a sighting there waits
+    /// until other partitions' dedup state is rebuilt from the log (their members are
+    /// warming them up), and asking again at once would only spin.
+    pub(super) async fn rewind(&mut self, partition: i32, from: i64) -> Result<(), PipelineError> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(self.topic, partition);
+        // The reader was rewound already: the consumer must follow, or records would be
+        // skipped. A broker that is restarting is waited out.
+        let mut retry = Retry::new(self.max_backoff, self.shutdown);
+        while let Err(e) = tokio::task::block_in_place(|| {
+            self.consumer.seek(self.topic, partition, Offset::Offset(from), SEEK_TIMEOUT)
+        }) {
+            // Any seek error is worth another try: the partition is ours and assigned.
+            let e = PipelineError::Kafka(e);
+            let transient = |e: &PipelineError| warn!(error = %e, partition, from, "seeking back failed; retrying");
+            retry.after(e, transient).await.map_err(|stopped| stopped_while(stopped, "seeking a partition back"))?;
+        }
+        self.consumer.pause(&tpl)?;
+        if self.log_waits.allow("wait", Instant::now()).is_some() {
+            info!(partition, from, "waiting for other partitions' dedup state to be rebuilt from the log");
+        }
+        self.rewound.insert(partition, Instant::now() + REWIND_PAUSE);
+        Ok(())
+    }
+
+    /// Resumes the partitions whose pause after a rewind is over (unless the whole
+    /// member is paused: backpressure resumes them with the rest).
+    pub(super) fn resume_rewound(&mut self) -> Result<(), PipelineError> {
+        let now = Instant::now();
+        let due: Vec<i32> = self.rewound.iter().filter(|(_, &at)| at <= now).map(|(&p, _)| p).collect();
+        for p in due {
+            self.rewound.remove(&p);
+            if !self.paused.load(Ordering::Relaxed) {
+                let mut tpl = TopicPartitionList::new();
+                tpl.add_partition(self.topic, p);
+                self.consumer.resume(&tpl)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// While ClickHouse cannot take the rows, or Redis refuses claims (unreachable, out
+    /// of memory, read-only), stop fetching but keep polling, so the member stays in the
+    /// group and rebalances are served. Returns whether paused.
+    pub(super) async fn backpressure(&self, max_unflushed: usize) -> Result<bool, PipelineError> {
+        let held = self.stages.lock().await.unflushed_buckets() + self.flusher.buckets_in_flight();
+        let redis = self.health.claims_failing();
+        let pause = held >= max_unflushed || redis.is_some();
+        if pause != self.paused.load(Ordering::Relaxed) {
+            // Set before pausing: a rebalance callback checks it for new partitions.
+            self.paused.store(pause, Ordering::Relaxed);
+            let assignment = self.consumer.assignment()?;
+            if pause {
+                self.consumer.pause(&assignment)?;
+                match redis {
+                    Some(trouble) => warn!(redis = trouble.label(), "pausing consumption until Redis accepts claims"),
+                    None => warn!(unflushed_buckets = held, "pausing consumption until ClickHouse takes the backlog"),
+                }
+            } else {
+                self.consumer.resume(&assignment)?;
+                info!("resuming consumption");
+            }
+            metrics::gauge!(t::PAUSED).set(if pause { 1.0 } else { 0.0 });
+        }
+        metrics::gauge!(t::BUCKETS_HELD).set(held as f64);
+        Ok(pause)
+    }
+}
