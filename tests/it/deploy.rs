@@ -443,3 +443,144 @@ fn compose_monitoring_mounts_exist_and_prometheus_scrapes_the_members() {
     assert_eq!(names, ["aggregator"], "Prometheus must find every aggregator replica");
     assert_eq!(sd["port"].as_u64(), Some(u64::from(settings.http.addr.port())), "scrape port != http.addr port");
 }
+
+// ------------------------------------------------------------------ the Helm chart
+//
+// `scripts/helm-check` renders and validates the chart; what it cannot do is load the
+// configuration a member would start with through clickagg's own loader. These
+// tests rebuild that configuration from the values files the way the chart does
+// (Helm merges each file over values.yaml; the ConfigMap is `config` as TOML with
+// pipeline.drain_timeout from drainTimeoutSeconds; the StatefulSet's environment adds
+// the group instance ID, http.addr and the secrets), so a misspelt or renamed
+// setting, or values clickagg refuses, fail here.
+
+const CHART: &str = "deploy/helm/clickagg";
+
+/// `over` merged into `base` as Helm merges values files: maps key by key, anything
+/// else replaced.
+fn merge_values(base: &mut Value, over: &Value) {
+    match (base, over) {
+        (Value::Mapping(b), Value::Mapping(o)) => {
+            for (k, v) in o {
+                match b.get_mut(k) {
+                    Some(slot) => merge_values(slot, v),
+                    None => {
+                        b.insert(k.clone(), v.clone());
+                    }
+                }
+            }
+        }
+        (slot, v) => *slot = v.clone(),
+    }
+}
+
+fn chart_values(file: Option<&str>) -> Value {
+    let mut values: Value = serde_yaml_ng::from_str(&read(&format!("{CHART}/values.yaml"))).expect("values.yaml");
+    if let Some(file) = file {
+        let over: Value = serde_yaml_ng::from_str(&read(&format!("{CHART}/{file}"))).expect(file);
+        merge_values(&mut values, &over);
+    }
+    values
+}
+
+/// The environment variable of each Secret key (the chart's "clickagg.secretFileVars",
+/// without `_FILE`).
+const CHART_SECRET_VARS: &[(&str, &str)] = &[
+    ("kafka-sasl-password", "CLICKAGG__KAFKA__SASL_PASSWORD"),
+    ("kafka-ssl-key-password", "CLICKAGG__KAFKA__SSL_KEY_PASSWORD"),
+    ("redis-password", "CLICKAGG__REDIS__PASSWORD"),
+    ("redis-url", "CLICKAGG__REDIS__URL"),
+    ("clickhouse-password", "CLICKAGG__CLICKHOUSE__PASSWORD"),
+    ("clickhouse-url", "CLICKAGG__CLICKHOUSE__URL"),
+    ("dedup-fingerprint-key", "CLICKAGG__DEDUP__FINGERPRINT_KEY"),
+];
+
+/// A member's settings under the chart with `file` over its defaults.
+fn chart_member_settings(file: Option<&str>) -> (Settings, Value) {
+    let values = chart_values(file);
+    let mut config = values["config"].clone();
+    let drain = values["drainTimeoutSeconds"].as_u64().expect("drainTimeoutSeconds, whole seconds");
+    let pipeline = config
+        .as_mapping_mut()
+        .expect("config is a map")
+        .entry(Value::from("pipeline"))
+        .or_insert_with(|| Value::Mapping(Default::default()));
+    pipeline.as_mapping_mut().expect("config.pipeline").insert("drain_timeout".into(), format!("{drain}s").into());
+
+    // Certificates are files of the tls Secret: stand-ins with a real PEM certificate.
+    let dir = tempfile::tempdir().expect("temp dir");
+    let mount = values["tls"]["mountPath"].as_str().expect("tls.mountPath").trim_end_matches('/').to_string();
+    let pem = std::fs::read("/etc/ssl/certs/ca-certificates.crt").expect("the system's CA bundle, as a PEM file");
+    for section in ["kafka", "redis", "clickhouse"] {
+        let Some(Value::Mapping(table)) = config.get_mut(section) else { continue };
+        for (key, value) in table.iter_mut() {
+            let Value::String(path) = value else { continue };
+            if let Some(file) = path.strip_prefix(&format!("{mount}/")) {
+                let local = dir.path().join(file);
+                std::fs::write(&local, &pem).expect("stand-in certificate");
+                *value = Value::from(local.display().to_string());
+                assert!(scalar(key).ends_with("_file") || scalar(key).ends_with("_location"), "{section}.{key:?}");
+            }
+        }
+    }
+    let path = dir.path().join("clickagg.toml");
+    std::fs::write(&path, toml::to_string(&config).expect("config as TOML")).expect("clickagg.toml");
+
+    let mut vars = BTreeMap::from([
+        ("CLICKAGG__KAFKA__GROUP_INSTANCE_ID".to_string(), "clickagg-0".to_string()),
+        ("CLICKAGG__HTTP__ADDR".to_string(), scalar(&config["http"]["addr"])),
+    ]);
+    // Each secret the Secret holds reaches clickagg as a file named by `<VAR>_FILE`;
+    // here its value stands in through `<VAR>`, which clickagg reads the same way.
+    let keys: Vec<String> = match (&values["secret"]["existingSecret"], &values["secret"]["values"]) {
+        (Value::String(s), _) if !s.is_empty() => {
+            values["secret"]["keys"].as_sequence().expect("secret.keys").iter().map(scalar).collect()
+        }
+        (_, Value::Mapping(m)) => m.keys().map(scalar).collect(),
+        _ => Vec::new(),
+    };
+    for key in keys {
+        let var = CHART_SECRET_VARS.iter().find(|(k, _)| *k == key).unwrap_or_else(|| panic!("secret key {key}"));
+        let stand_in = if key.ends_with("-url") { "redis://stand-in:6379/" } else { "stand-in" };
+        vars.insert(var.1.to_string(), stand_in.to_string());
+    }
+    let settings = Settings::load_with_vars(Some(&path), vec![], vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .unwrap_or_else(|e| panic!("{CHART} with {file:?}: {e}"));
+    (settings, values)
+}
+
+#[test]
+fn the_helm_charts_configuration_loads_and_its_grace_period_covers_the_drain() {
+    for file in [None, Some("values-cluster.yaml"), Some("ci/all-on-values.yaml")] {
+        let (settings, values) = chart_member_settings(file);
+        let grace =
+            values["drainTimeoutSeconds"].as_u64().unwrap() + values["terminationGraceMarginSeconds"].as_u64().unwrap();
+        assert!(
+            Duration::from_secs(grace) >= settings.pipeline.drain_timeout + Duration::from_secs(5),
+            "{file:?}: terminationGracePeriodSeconds {grace} vs pipeline.drain_timeout {:?}",
+            settings.pipeline.drain_timeout
+        );
+        assert_eq!(settings.kafka.group_instance_id.as_deref(), Some("clickagg-0"), "{file:?}");
+        assert!(settings.http.enabled && settings.http.addr.ip().is_unspecified(), "{file:?}: {}", settings.http.addr);
+    }
+    let (cluster, _) = chart_member_settings(Some("values-cluster.yaml"));
+    assert!(cluster.redis_cluster(), "values-cluster.yaml: a Redis Cluster");
+    assert_eq!(cluster.kafka.brokers.split(',').count(), 3, "values-cluster.yaml: 3 brokers");
+    assert_eq!(cluster.clickhouse.cluster.as_deref(), Some("clickagg_cluster"));
+    assert_eq!(cluster.clickhouse.quorum(), 2);
+    assert!(cluster.kafka.sasl_password.is_some() && cluster.dedup.fingerprint_key.expose() == "stand-in");
+}
+
+#[test]
+fn the_helm_charts_secret_files_and_alerts_are_the_ones_deployed() {
+    // The same key → variable table as the chart's template and scripts/helm-check.py.
+    let helpers = read(&format!("{CHART}/templates/_helpers.tpl"));
+    for (key, var) in CHART_SECRET_VARS {
+        assert!(helpers.contains(&format!("{key}: {var}_FILE")), "_helpers.tpl lacks {key}: {var}_FILE");
+    }
+    assert_eq!(
+        read(&format!("{CHART}/files/alerts.yml")),
+        read("deploy/prometheus/alerts.yml"),
+        "the chart's alerts.yml is not deploy/prometheus/alerts.yml: copy it"
+    );
+}
