@@ -145,8 +145,8 @@ async fn metrics_and_readiness_report_what_happened_in_a_run() {
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
-/// Secrets from a file, the environment and flags reach their services and never
-/// any output: logs, errors, `clickagg config`.
+/// Secrets from the TOML file, a `<VAR>_FILE` file, the environment and flags reach
+/// their services and never any output: logs, errors, `clickagg config`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     // A private Redis whose only user is an ACL user with a password.
@@ -168,6 +168,13 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     let clickhouse_secret = "clickagg-local-password";
     let config = env.log_dir.join("clickagg.toml");
     std::fs::write(&config, format!("[kafka]\nsasl_password = \"{kafka_secret}\"\n")).unwrap();
+    // The Redis password as a mounted Secret hands it over: a file, ending in a newline.
+    let secret_file = |name: &str, content: &str| {
+        let path = env.log_dir.join(name);
+        std::fs::write(&path, format!("{content}\n")).unwrap();
+        path.display().to_string()
+    };
+    let redis_password_file = secret_file("redis-password", &redis_secret);
     env.extra_env.extend(
         [
             ("CLICKAGG__KAFKA__BROKERS", "127.0.0.1:9094"),
@@ -175,7 +182,7 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
             ("CLICKAGG__KAFKA__SASL_MECHANISM", "PLAIN"),
             ("CLICKAGG__KAFKA__SASL_USERNAME", "clickagg"),
             ("CLICKAGG__REDIS__USERNAME", "clickagg"),
-            ("CLICKAGG__REDIS__PASSWORD", redis_secret.as_str()),
+            ("CLICKAGG__REDIS__PASSWORD_FILE", redis_password_file.as_str()),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string())),
     );
@@ -206,9 +213,10 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     );
 
     // Wrong credentials fail clearly, and the wrong secret does not leak either.
+    let wrong_redis_file = secret_file("wrong-redis-password", "wrong-redis-hunter2");
     for (label, extra) in [
         ("bad-clickhouse", ("CLICKAGG__CLICKHOUSE__PASSWORD", "wrong-ch-hunter2")),
-        ("bad-redis", ("CLICKAGG__REDIS__PASSWORD", "wrong-redis-hunter2")),
+        ("bad-redis", ("CLICKAGG__REDIS__PASSWORD_FILE", wrong_redis_file.as_str())),
         ("bad-kafka", ("CLICKAGG__KAFKA__SASL_PASSWORD", "wrong-kafka-hunter2")),
     ] {
         let args: Vec<&str> = if label == "bad-clickhouse" {
@@ -227,6 +235,20 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
         assert!(!out.contains("hunter2"), "{label} printed the wrong secret:\n{out}");
         assert_clean(label, &out);
     }
+
+    // A secret file that cannot be read, or a secret given twice, is a bad setting (exit
+    // 2) for every command, named with the variable and the path.
+    let missing = env.log_dir.join("no-such-secret").display().to_string();
+    for (label, args) in [("missing-file-config", vec!["config"]), ("missing-file-migrate", vec!["migrate"])] {
+        let mut bad = env.spawn(label, &args, &[("CLICKAGG__REDIS__PASSWORD_FILE", &missing)]);
+        assert_eq!(bad.wait(Duration::from_secs(30)).await, 2, "{}", bad.output());
+        assert!(bad.output().contains(&format!("CLICKAGG__REDIS__PASSWORD_FILE names {missing}")), "{}", bad.output());
+    }
+    let mut twice = env.spawn("twice", &["config"], &[("CLICKAGG__REDIS__PASSWORD", "wrong-redis-hunter2")]);
+    assert_eq!(twice.wait(Duration::from_secs(30)).await, 2, "{}", twice.output());
+    assert!(twice.output().contains("CLICKAGG__REDIS__PASSWORD and CLICKAGG__REDIS__PASSWORD_FILE are both set"));
+    assert!(!twice.output().contains("hunter2"));
+    assert_clean("twice", &twice.output());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
