@@ -144,6 +144,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         metrics::counter!(REDIS_ERRORS, "kind" => kind).absolute(0);
     }
     metrics::gauge!(PAUSED).set(0.0);
+    // A standby (more members than partitions) is never assigned any: 0, not "no data".
+    metrics::gauge!(ASSIGNED_PARTITIONS).set(0.0);
     metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);
     metrics::gauge!(READY).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);

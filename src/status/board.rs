@@ -183,7 +183,7 @@ impl StatusBoard {
         let reading = Reading::parse(metrics);
         let identity = self.identity.get().cloned();
         let n = identity.as_ref().map(|i| i.batch_offsets);
-        let partitions = self
+        let partitions: Vec<PartitionRow> = self
             .partitions
             .lock()
             .expect("not poisoned")
@@ -226,6 +226,7 @@ impl StatusBoard {
             member: identity,
             ready,
             not_ready_reasons,
+            assigned_partitions: partitions.len(),
             partitions,
             rates: Rates {
                 window_seconds: RATE_WINDOW_SECONDS,
@@ -252,6 +253,9 @@ pub struct Snapshot {
     pub member: Option<Identity>,
     pub ready: bool,
     pub not_ready_reasons: Vec<&'static str>,
+    /// Partitions this member owns; 0 for a standby (more members than partitions),
+    /// which is ready all the same.
+    pub assigned_partitions: usize,
     pub partitions: Vec<PartitionRow>,
     pub rates: Rates,
     pub totals: Totals,

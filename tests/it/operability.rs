@@ -145,6 +145,68 @@ async fn metrics_and_readiness_report_what_happened_in_a_run() {
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
+/// More members than partitions: the one without a partition is a standby, and ready
+/// (Redis and ClickHouse answer), so a surge pod of a rolling update or a spare replica
+/// does not hold a rollout or fire ClickaggMemberNotReady. Its status still shows it
+/// owns nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_without_partitions_in_a_group_larger_than_the_topic_is_ready() {
+    let env = TestEnv::new("standby").await;
+    let (records, truth) = env.plan(Spec { count: 2_000, seed: 50, ..Spec::default() });
+    env.send(&records, 1, None).await;
+    let mut a = env.spawn_member("a");
+    a.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    let mut b = env.spawn_member("b");
+    // Both in the group (the group's own description), the one partition with one of them.
+    let (a_id, b_id) = (client_id(&a).await, client_id(&b).await);
+    wait_until("both members are in the group", CONVERGE, || async {
+        let mut cmd = env.command(&["status", "--format", "json"], &[]);
+        let out = tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap();
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("{e}: {out:?}"))?;
+        let members: Vec<&str> =
+            s["members"].as_array().unwrap().iter().filter_map(|m| m["client_id"].as_str()).collect();
+        let owners: Vec<&str> =
+            s["partitions"].as_array().unwrap().iter().filter_map(|p| p["owner"].as_str()).collect();
+        if members.len() == 2
+            && members.contains(&a_id.as_str())
+            && members.contains(&b_id.as_str())
+            && owners.len() == 1
+        {
+            Ok(())
+        } else {
+            Err(format!("members {members:?}, owners {owners:?}"))
+        }
+    })
+    .await;
+    let mut standbys = 0;
+    for m in [&b, &a] {
+        let (code, body) = wait_until("the member is ready", Duration::from_secs(30), || async {
+            match m.http_get("/readyz").await {
+                (200, body) => Ok((200, body)),
+                (code, body) => Err(format!("{code} {body}")),
+            }
+        })
+        .await;
+        assert_eq!((code, body.trim()), (200, "ready"), "{}", m.label);
+        assert_eq!(m.metric("clickagg_ready", &[]).await, 1.0, "{}", m.label);
+        let status: serde_json::Value = serde_json::from_str(&m.http_get("/status.json").await.1).unwrap();
+        assert_eq!(status["ready"], true, "{status}");
+        let owned = status["partitions"].as_array().unwrap().len();
+        assert_eq!(status["assigned_partitions"].as_u64(), Some(owned as u64), "{status}");
+        assert_eq!(m.metric("clickagg_assigned_partitions", &[]).await, owned as f64);
+        standbys += usize::from(owned == 0);
+    }
+    assert_eq!(standbys, 1, "one of the two members owns the topic's only partition");
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+    assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
+}
+
+async fn client_id(member: &crate::helpers::Member) -> String {
+    let s: serde_json::Value = serde_json::from_str(&member.http_get("/status.json").await.1).unwrap();
+    s["member"]["client_id"].as_str().unwrap().to_string()
+}
+
 /// Secrets from the TOML file, a `<VAR>_FILE` file, the environment and flags reach
 /// their services and never any output: logs, errors, `clickagg config`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
