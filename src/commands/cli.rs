@@ -29,13 +29,15 @@ pub enum Command {
     Run,
     /// Generate seeded click events into the topic and write the ground truth.
     Produce(ProduceArgs),
-    /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 only on an exact match.
+    /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 on an exact
+    /// match, 4 when the counts differ, 1 when it could not compare.
     Verify(VerifyArgs),
     /// Billing counts from ClickHouse per ad and minute, hour or day, exact (read through FINAL).
     Query(crate::query::QueryArgs),
     /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
     Replay(crate::replay::ReplayArgs),
-    /// Recount distinct clicks from the topic for a time range and diff against ClickHouse.
+    /// Recount distinct clicks from the topic for a time range and diff against ClickHouse;
+    /// exit 0 on an exact match, 4 when the counts differ, 1 when it could not compare.
     Reconcile(crate::reconcile::ReconcileArgs),
     /// The consumer group from Kafka and ClickHouse: each partition's owner, lag and last
     /// durable flush; exit 4 when a partition stalled.

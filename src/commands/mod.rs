@@ -25,8 +25,16 @@ use crate::telemetry;
 use crate::verify;
 use cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
 
-/// Exit code when the drain timeout passed before everything was flushed.
+// Exit codes, the same for every command (README, "Exit codes"): 0 done; 1 could not
+// run or stopped on an error (a service unreachable or refusing, a file unreadable);
+// 2 a bad setting or flag (`main`, and clap's own usage errors).
+
+/// `run`: the drain timeout passed before everything was flushed.
 pub const EXIT_DRAIN_TIMEOUT: u8 = 3;
+/// A check ran and found a problem: `verify` and `reconcile` counts that differ,
+/// `status` a stalled partition. Apart from 1, so that a script can tell a wrong count
+/// from a check that could not run.
+pub const EXIT_CHECK_FAILED: u8 = 4;
 
 pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> {
     match command {
@@ -171,7 +179,7 @@ async fn verify(s: &Settings, a: VerifyArgs) -> Result<ExitCode> {
     }
     let d = verify::diff(&expected, &actual);
     print!("{}", d.report(20));
-    Ok(if d.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(check(d.is_exact()))
 }
 
 async fn replay(s: &Settings, a: ReplayArgs) -> Result<ExitCode> {
@@ -186,7 +194,16 @@ async fn replay(s: &Settings, a: ReplayArgs) -> Result<ExitCode> {
 async fn reconcile(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
     let report = crate::reconcile::reconcile(s, &a).await?;
     print!("{}", report.render(a.limit));
-    Ok(if report.diff.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(check(report.diff.is_exact()))
+}
+
+/// The exit code of a check that ran: 0 when it passed, [`EXIT_CHECK_FAILED`] otherwise.
+fn check(passed: bool) -> ExitCode {
+    if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CHECK_FAILED)
+    }
 }
 
 /// A progress bar on a terminal; hidden otherwise (logs carry progress there).
