@@ -376,6 +376,13 @@ fn dockerfile_builds_the_binary_with_what_the_sources_embed() {
     }
     embedded.sort();
     embedded.dedup();
+    // The build script is read at build time too.
+    if repo().join("build.rs").exists() {
+        assert!(
+            instructions.iter().any(|l| l.starts_with("COPY") && l.split_whitespace().any(|w| w == "build.rs")),
+            "the Dockerfile does not COPY build.rs"
+        );
+    }
     assert!(embedded.len() > 1, "expected src/sink.rs to embed sql/");
     for dir in &embedded {
         assert!(copied(dir), "the Dockerfile does not COPY {dir}/, which the sources embed");

@@ -350,9 +350,10 @@ async fn clickagg_status_shows_a_killed_members_partitions_stalled_and_the_other
 /// Every metric name the Grafana dashboard and the alerts use (`scripts/metric-names`)
 /// is in a member's `/metrics`: a renamed or never-registered metric would leave an
 /// empty panel or an alert that can never fire. Error counters must be there before
-/// any error, at 0.
+/// any error, at 0. And every one has the help text, build info and process metrics
+/// a Prometheus user expects of a service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_member() {
+async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_member_with_help_text() {
     let out = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/metric-names"))
         .output()
         .expect("run scripts/metric-names");
@@ -383,5 +384,62 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_member()
     for op in ["client", "consume", "commit", "dead_letter"] {
         assert!(text.contains(&format!("clickagg_kafka_errors_total{{op=\"{op}\"}}")), "op {op}");
     }
+    assert_fits_prometheus(&text);
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// `/metrics` as Prometheus expects it of a service: every `clickagg_` metric family
+/// (a histogram's `_bucket`, `_sum` and `_count` are one) with `# HELP` text and a
+/// `# TYPE`, `clickagg_build_info` = 1 with the version, and the standard process
+/// metrics.
+fn assert_fits_prometheus(text: &str) {
+    let comments = |kind: &str| -> BTreeSet<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&format!("# {kind} ")))
+            .filter_map(|l| {
+                let (name, rest) = l.split_once(' ')?;
+                (!rest.trim().is_empty()).then(|| name.to_string())
+            })
+            .collect()
+    };
+    let (helped, typed) = (comments("HELP"), comments("TYPE"));
+    let families: BTreeSet<String> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.starts_with("clickagg_"))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(|name| {
+            let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s));
+            match family {
+                Some(f) if typed.contains(f) && !typed.contains(name) => f.to_string(),
+                _ => name.to_string(),
+            }
+        })
+        .collect();
+    assert!(families.len() >= 30, "{families:?}");
+    let unhelped: Vec<&String> = families.iter().filter(|f| !helped.contains(*f)).collect();
+    assert!(unhelped.is_empty(), "no # HELP for {unhelped:?}");
+    let untyped: Vec<&String> = families.iter().filter(|f| !typed.contains(*f)).collect();
+    assert!(untyped.is_empty(), "no # TYPE for {untyped:?}");
+
+    let build = text.lines().find(|l| l.starts_with("clickagg_build_info{")).expect("clickagg_build_info");
+    assert!(build.ends_with(" 1"), "{build}");
+    assert!(build.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))), "{build}");
+    assert!(build.contains("rustc=\"1."), "the compiler's version: {build}");
+
+    for name in
+        ["process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"]
+    {
+        let value = crate::helpers::metric_value(text, name, &[]);
+        assert!(helped.contains(name), "no # HELP for {name}");
+        match name {
+            "process_resident_memory_bytes" => assert!(value > 1e6, "{name} {value}"),
+            "process_open_fds" => assert!(value >= 3.0, "{name} {value}"),
+            // Started within the last hour, by the wall clock.
+            "process_start_time_seconds" => {
+                let now = chrono::Utc::now().timestamp() as f64;
+                assert!(value <= now && value > now - 3600.0, "{name} {value}")
+            }
+            _ => assert!(value >= 0.0, "{name} {value}"),
+        }
+    }
 }
