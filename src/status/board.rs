@@ -203,9 +203,13 @@ impl StatusBoard {
         let history = self.history.lock().expect("not poisoned");
         let current = &reading.counters;
         let rates = history.rates(now, current);
+        let (p50, p99) =
+            (history.freshness_quantile(0.5, now, current), history.freshness_quantile(0.99, now, current));
         let freshness = Freshness {
-            p50_seconds: history.freshness_quantile(0.5, now, current),
-            p99_seconds: history.freshness_quantile(0.99, now, current),
+            p50_seconds: p50.map(|q| q.value),
+            p50_more_than: p50.is_some_and(|q| q.more_than),
+            p99_seconds: p99.map(|q| q.value),
+            p99_more_than: p99.is_some_and(|q| q.more_than),
             window_seconds: FRESHNESS_WINDOW_SECONDS,
         };
         drop(history);
@@ -296,10 +300,14 @@ pub struct Totals {
 }
 
 /// Of the clicks made durable over the last `window_seconds`; `null` when none were.
+/// `…_more_than`: the quantile lies beyond the histogram's top bucket (5 minutes), so
+/// it is more than `…_seconds` (that bucket's bound), not equal to it.
 #[derive(Debug, Serialize)]
 pub struct Freshness {
     pub p50_seconds: Option<f64>,
+    pub p50_more_than: bool,
     pub p99_seconds: Option<f64>,
+    pub p99_more_than: bool,
     pub window_seconds: f64,
 }
 
