@@ -165,9 +165,11 @@ pub struct ProduceArgs {
     /// Partitions to create the topic with, if it does not exist.
     #[arg(long, default_value_t = 4)]
     pub partitions: i32,
-    /// Random seed: the same seed gives the same records.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    /// Random seed: the same seed gives the same records. Without it a fresh seed is
+    /// drawn (and printed): a run repeated within the dedup window with the same seed
+    /// sends the same click IDs, which count once.
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Event-time span the records cover, e.g. 10m.
     #[arg(long, default_value = "10m")]
     pub span: humantime::Duration,
@@ -177,6 +179,11 @@ pub struct ProduceArgs {
     /// Where to write the ground truth (CSV: ad_id,minute,clicks).
     #[arg(long, default_value = "truth.csv")]
     pub truth: PathBuf,
+    /// Add this run's counts to those already in --truth (if it exists), once every
+    /// record is sent, instead of replacing them: for a topic that several runs write
+    /// to, whose whole count `verify` then checks (the Docker Compose demo).
+    #[arg(long)]
+    pub add_to_truth: bool,
 }
 
 #[derive(Debug, Args, Clone, Default)]

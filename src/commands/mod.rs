@@ -132,9 +132,16 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
             bail!("--{name}-ratio must be between 0 and 1");
         }
     }
+    let seed = a.seed.unwrap_or_else(rand::random);
+    // Read first: a truth file that cannot be added to stops the run before it sends.
+    let earlier = if a.add_to_truth && a.truth.exists() {
+        Some(Truth::read_csv(&a.truth).map_err(anyhow::Error::msg)?)
+    } else {
+        None
+    };
     let spec = Spec {
         count: a.count,
-        seed: a.seed,
+        seed,
         ads: a.ads,
         zipf_exponent: a.zipf_exponent,
         duplicate_ratio: a.duplicate_ratio,
@@ -146,13 +153,26 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         span: a.span.into(),
     };
     let (records, truth) = produce::plan(&spec);
-    truth.write_csv(&a.truth).with_context(|| format!("writing {}", a.truth.display()))?;
+    let write_truth =
+        |truth: &Truth| truth.write_csv(&a.truth).with_context(|| format!("writing {}", a.truth.display()));
+    if !a.add_to_truth {
+        write_truth(&truth)?;
+    }
+    println!("seed {seed} (--seed {seed} sends the same records again)");
     let started = Instant::now();
     let bar = progress_bar(records.len() as u64, "producing");
     produce::send(&s.kafka, &s.kafka.topic, a.partitions, &records, Some(a.rate), |n| bar.set_position(n))
         .await
         .context("producing click events")?;
     bar.finish_and_clear();
+    if a.add_to_truth {
+        // Only once every record is in the topic: the file then always describes it.
+        let mut total = truth.clone();
+        for (bucket, clicks) in earlier.into_iter().flatten() {
+            *total.counts.entry(bucket).or_default() += clicks;
+        }
+        write_truth(&total)?;
+    }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "sent {} records to {} in {:.1}s ({:.0}/s): {}",
@@ -162,7 +182,8 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         records.len() as f64 / secs,
         truth.summary()
     );
-    println!("ground truth: {}", a.truth.display());
+    let added = if a.add_to_truth { " (this run's counts added to what it held)" } else { "" };
+    println!("ground truth: {}{added}", a.truth.display());
     Ok(ExitCode::SUCCESS)
 }
 

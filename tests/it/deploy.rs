@@ -294,6 +294,35 @@ fn every_clickagg_variable_in_compose_is_a_known_setting() {
     }
 }
 
+/// The demo can be repeated: the producer draws a fresh seed each run (a fixed one
+/// re-sends the last run's click IDs, rightly dropped as duplicates) and adds its
+/// counts to the truth in the `demo` volume, where `verify` (run in the same service)
+/// reads it. `operability::the_compose_demo_can_be_run_twice_and_verifies_each_time`
+/// runs this command twice against the real services.
+#[test]
+fn the_compose_demo_producer_can_be_repeated() {
+    let doc = compose();
+    let producer = service(&doc, "producer");
+    let cmd = command(producer);
+    assert_eq!(cmd.first().map(String::as_str), Some("produce"), "{cmd:?}");
+    assert!(!cmd.iter().any(|w| w.starts_with("--seed")), "a fixed seed repeats the last run's clicks: {cmd:?}");
+    assert!(cmd.iter().any(|w| w == "--add-to-truth"), "each run must add to the truth, not replace it: {cmd:?}");
+    assert!(!cmd.iter().any(|w| w.starts_with("--truth")), "verify reads truth.csv in the working directory: {cmd:?}");
+    let workdir = dockerfile()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("WORKDIR "))
+        .next_back()
+        .expect("the runtime stage's WORKDIR")
+        .trim()
+        .to_string();
+    let volumes: Vec<String> =
+        producer["volumes"].as_sequence().expect("producer volumes").iter().map(scalar).collect();
+    assert!(
+        volumes.iter().any(|v| v.split(':').nth(1) == Some(workdir.as_str())),
+        "the demo volume must be the working directory {workdir}, where truth.csv is: {volumes:?}"
+    );
+}
+
 #[test]
 fn a_misspelt_variable_would_fail_the_check() {
     // The guard the compose check relies on: the loader rejects an unknown key.

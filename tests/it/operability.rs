@@ -207,6 +207,54 @@ async fn client_id(member: &crate::helpers::Member) -> String {
     s["member"]["client_id"].as_str().unwrap().to_string()
 }
 
+/// The compose demo (`docker-compose.yml`'s `producer`, then `verify --expected
+/// truth.csv` in the same volume) run twice into the same topic: each run must verify,
+/// the second as well as the first. Docker is not needed: the producer's command is read
+/// from the compose file and run with this test's settings (fewer records), in one
+/// working directory that stands for the `demo` volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_compose_demo_can_be_run_twice_and_verifies_each_time() {
+    let compose: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(include_str!("../../docker-compose.yml")).expect("docker-compose.yml");
+    let mut produce: Vec<String> = compose["services"]["producer"]["command"]
+        .as_sequence()
+        .expect("the producer's command as a list")
+        .iter()
+        .map(|w| w.as_str().expect("a word").to_string())
+        .collect();
+    assert_eq!(produce[0], "produce");
+    let count = produce.iter().position(|w| w == "--count").expect("--count") + 1;
+    produce[count] = "20000".into();
+    let verify = ["verify", "--expected", "truth.csv"];
+    let env = TestEnv::new("composedemo").await;
+    let volume = env.log_dir.join("demo-volume");
+    std::fs::create_dir_all(&volume).unwrap();
+    let run = |label: String, args: Vec<String>| {
+        let mut cmd = env.command(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+        cmd.current_dir(&volume);
+        async move {
+            let out = tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            (label, out.status.code().unwrap_or(-1), text)
+        }
+    };
+    let mut member = env.spawn_member("aggregator");
+    for round in 1..=2 {
+        let (label, code, out) = run(format!("produce-{round}"), produce.clone()).await;
+        assert_eq!(code, 0, "{label}: {out}");
+        wait_until(&format!("run {round} verifies"), CONVERGE, || async {
+            let (_, code, out) = run(format!("verify-{round}"), verify.map(String::from).to_vec()).await;
+            if code == 0 {
+                Ok(())
+            } else {
+                Err(format!("exit {code}: {out}"))
+            }
+        })
+        .await;
+    }
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
 /// Secrets from the TOML file, a `<VAR>_FILE` file, the environment and flags reach
 /// their services and never any output: logs, errors, `clickagg config`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
