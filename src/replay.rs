@@ -338,25 +338,10 @@ async fn run_plan(
     });
     // No shared cache: every reader of a replay is private, and nothing of it touches Redis.
     let mut stages = Stages::new(StagesConfig::from_settings(s), health);
-    let mut planner = Planner::new(
-        &s.kafka.topic,
-        sink.clone(),
-        None,
-        s.batch_offsets(),
-        s.rules().window(),
-        s.dedup.max_record_lag,
-        None,
-    );
+    let mut planner = Planner::for_replay(s, sink.clone());
     stages.assign(with_pins);
 
-    let group = format!("{}-replay", s.kafka.group);
-    let mut reader = RangeReader::new(
-        &s.kafka,
-        &group,
-        &read,
-        crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key),
-        s.pipeline.max_poll_records,
-    )?;
+    let mut reader = RangeReader::for_settings(s, "replay", &read)?;
     let progress = Progress::new(&read);
     let mut last_flush = Instant::now();
     loop {

@@ -68,7 +68,7 @@ impl Loop<'_> {
         // in this order. Two at most: one being decided while the next is decoded.
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
-        let decoder = crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key);
+        let decoder = crate::source::Decoder::from_settings(s);
         // Set when a claim found the dedup cache lost: no more batches are read until
         // those in flight are answered, then every partition starts over.
         let mut lost: Option<Lost> = None;

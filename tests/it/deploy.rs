@@ -564,7 +564,7 @@ fn the_helm_charts_configuration_loads_and_its_grace_period_covers_the_drain() {
         assert!(settings.http.enabled && settings.http.addr.ip().is_unspecified(), "{file:?}: {}", settings.http.addr);
     }
     let (cluster, _) = chart_member_settings(Some("values-cluster.yaml"));
-    assert!(cluster.redis_cluster(), "values-cluster.yaml: a Redis Cluster");
+    assert!(cluster.redis.is_cluster(), "values-cluster.yaml: a Redis Cluster");
     assert_eq!(cluster.kafka.brokers.split(',').count(), 3, "values-cluster.yaml: 3 brokers");
     assert_eq!(cluster.clickhouse.cluster.as_deref(), Some("clickagg_cluster"));
     assert_eq!(cluster.clickhouse.quorum(), 2);
