@@ -340,8 +340,8 @@ impl<'a> Process<'a> {
     /// `Stages::fall_back_to_private`.
     fn fall_back(&mut self, world: &World, p: i32) {
         let reader = &self.readers[&p];
+        let from = self.agg.open_batch_start(p).unwrap_or(reader.start.count_from);
         let cut = self.agg.take_partitions(&[p]);
-        let from = cut.commits.get(&p).copied().unwrap_or(reader.start.count_from);
         self.pending.merge(cut);
         let n = self.agg.batch_offsets();
         let start = position::private_start(p, marks(&self.log[p as usize], n, from), None);

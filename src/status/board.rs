@@ -310,7 +310,7 @@ mod tests {
     use super::*;
 
     fn start(partition: i32, read_from: i64, count_from: i64, scope: Scope) -> Start {
-        Start { partition, read_from, count_from, clock: Default::default(), scope }
+        Start { partition, read_from, count_from, clock: Default::default(), scope, commit_floor: count_from }
     }
 
     fn board() -> StatusBoard {
