@@ -24,8 +24,10 @@ With --strip-on-cluster (the mirror-less cluster run) a statement `... ON CLUSTE
 ...` is first parsed by the primary (`formatQuery` of the exact statement), then run
 there without its ON CLUSTER clause: a server without a distributed DDL queue (chdb
 has none) still creates the replicated and Distributed tables the statement names.
-chdb never activates a replicated table's replica (it stays read-only, code 242), so a
-write into one is recorded as not exercised rather than as a difference.
+chdb never activates a replicated table's replica (it stays read-only, and an insert
+into one waits minutes before it is refused with code 242), so in that run an INSERT is
+not forwarded: the proxy checks that the server accepts its settings (a `SELECT 1`
+with the same query string), records it as not exercised, and answers with code 242.
 
 Every exchange is appended to DIR/requests.jsonl; request bodies and differing answers
 are kept beside it. A request with the header `X-Clickagg-Check-Origin: harness` is the
@@ -273,7 +275,19 @@ def make_handler(primary: Upstream, mirror, strip_on_cluster: bool, rec: Recorde
                         send_body = local.encode()
                     if es != 200:
                         entry["verdict"], entry["detail"] = "rejected", "formatQuery: " + eb[:600].decode("utf-8", "replace")
-                p = primary.send(self.command, path, fwd, send_body)
+                if strip_on_cluster and kind == "insert":
+                    # chdb never activates a replicated table's replica, and an insert
+                    # into one waits minutes before it is refused (code 242). Check that
+                    # the server knows and accepts the insert's settings, and answer
+                    # with that refusal at once.
+                    ss, sh, sb = primary.send(
+                        "POST", with_params(self.path, {}, drop=("query",)), fwd, b"SELECT 1 FORMAT Null")
+                    entry["settings_accepted"] = ss == 200
+                    note = ("Code: 242. DB::Exception: not exercised by scripts/current-clickhouse: the replicated "
+                            "tables of chdb are read-only (TABLE_IS_READ_ONLY)").encode()
+                    p = (500, {"x-clickhouse-exception-code": str(READ_ONLY_REPLICA)}, note) if ss == 200 else (ss, sh, sb)
+                else:
+                    p = primary.send(self.command, path, fwd, send_body)
                 entry["primary"] = {"status": p[0], "bytes": len(p[2])}
                 if p[0] != 200:
                     entry["primary"]["error"] = p[2][:2000].decode("utf-8", "replace")
@@ -346,8 +360,9 @@ def report(a):
     if skipped:
         print(f"  not exercised (writes into replicated tables, read-only in chdb): {len(skipped)}")
         for e in skipped:
-            print("    " + " ".join(e["sql"].split())[:160])
-    others = [e for e in entries if "mirror" not in e and not e.get("on_cluster")]
+            accepted = "settings accepted: " + ", ".join(f"{k}={v}" for k, v in e["settings"].items())
+            print("    " + " ".join(e["sql"].split())[:160] + f" ({accepted})")
+    others = [e for e in entries if "mirror" not in e and not e.get("on_cluster") and e.get("verdict") != "not-exercised"]
     if others:
         print(f"  other statements run on the current engine alone: {len(others)}, "
               f"{sum(1 for e in others if e.get('verdict') == 'ran')} accepted")
