@@ -126,6 +126,23 @@ class Compare(unittest.TestCase):
         self.assertEqual(differs[0], "differs")
 
 
+class KnownDefects(unittest.TestCase):
+    BACKFILL = ("INSERT INTO ad_clicks_hour (ad_id, hour, topic, partition, batch_start, clicks, version) "
+                "SELECT ad_id, toStartOfHour(minute) AS hour, topic, partition, batch_start, sum(clicks), max(version) "
+                "FROM ad_clicks_minute FINAL GROUP BY ad_id, hour, topic, partition, batch_start")
+
+    def entry(self, sql, code):
+        return {"sql": sql, "verdict": "rejected", "mirror": {"status": 500, "error": f"Code: {code}. DB::Exception: x"}}
+
+    def test_only_the_reported_statement_with_its_code_is_known(self):
+        self.assertIsNotNone(proxy.known_defect(self.entry(self.BACKFILL, 252)))
+        self.assertIsNone(proxy.known_defect(self.entry(self.BACKFILL, 241)), "another error of the same statement")
+        self.assertIsNone(proxy.known_defect(self.entry("INSERT INTO `ad_clicks_hour`(`ad_id`) FORMAT RowBinary", 252)),
+                          "a flush refused for too many partitions")
+        differs = dict(self.entry(self.BACKFILL, 252), verdict="differs")
+        self.assertIsNone(proxy.known_defect(differs), "answered differently rather than refused")
+
+
 class Decode(unittest.TestCase):
     def test_types_clickagg_reads(self):
         body = row(("UInt8", 1), ("String", "café")) + struct.pack("<I", 1_796_083_200) + leb(2) + struct.pack("<QQ", 17, 42)
