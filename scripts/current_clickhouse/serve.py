@@ -8,7 +8,7 @@ entry point runs the engine as `clickhouse-local`, which since 26.x implements
 `clickhouse-local` does, so the same call then runs one long query (a sleep) while
 the listeners serve other connections, each query in its own thread like a server.
 
-    python serve.py DIR HTTP_PORT TCP_PORT [--zookeeper HOST:PORT] [--lifetime SECONDS]
+    python serve.py DIR HTTP_PORT TCP_PORT [--zookeeper HOST:PORT] [--timezone TZ] [--lifetime SECONDS]
 
 DIR receives config.xml and the data (`--path`). The process answers /ping once it
 listens and ends at SIGTERM (or after --lifetime seconds). The HTTP default format is
@@ -26,20 +26,22 @@ p.add_argument("tcp_port", type=int)
 p.add_argument("--zookeeper", help="HOST:PORT of a ZooKeeper for Replicated tables")
 p.add_argument("--cluster", default="clickagg_cluster", help="name of a one-node cluster of this server")
 p.add_argument("--lifetime", type=int, default=3600)
+p.add_argument("--timezone", default="UTC", help="the server's time zone (clickhouse-local takes TZ, not <timezone>)")
 args = p.parse_args()
+os.environ["TZ"] = args.timezone
 
 os.makedirs(os.path.join(args.dir, "data"), exist_ok=True)
 zookeeper = ""
 if args.zookeeper:
     host, port = args.zookeeper.rsplit(":", 1)
     zookeeper = f"<zookeeper><node><host>{host}</host><port>{port}</port></node></zookeeper>"
-# Like the 18.16 server of scripts/stack: UTC, loopback only. The cluster is this server
-# alone (one shard, one replica), with the macros the cluster DDL names.
+# Like the 18.16 server of scripts/stack: loopback only, UTC (set through TZ above: the
+# <timezone> element is a server setting that clickhouse-local ignores). The cluster is
+# this server alone (one shard, one replica), with the macros the cluster DDL names.
 config = f"""<clickhouse>
   <listen_host>127.0.0.1</listen_host>
   <http_port>{args.http_port}</http_port>
   <tcp_port>{args.tcp_port}</tcp_port>
-  <timezone>UTC</timezone>
   <remote_servers>
     <{args.cluster}><shard><replica><host>127.0.0.1</host><port>{args.tcp_port}</port></replica></shard></{args.cluster}>
   </remote_servers>
