@@ -35,10 +35,11 @@ zookeeper = ""
 if args.zookeeper:
     host, port = args.zookeeper.rsplit(":", 1)
     zookeeper = f"<zookeeper><node><host>{host}</host><port>{port}</port></node></zookeeper>"
-# Like the 18.16 server of scripts/stack: loopback only, UTC (set through TZ above: the
+# Like the 18.16 server of scripts/stack: loopback only, its two users, UTC (set through TZ above: the
 # <timezone> element is a server setting that clickhouse-local ignores). The cluster is
 # this server alone (one shard, one replica), with the macros the cluster DDL names.
 config = f"""<clickhouse>
+  <users_config>users.xml</users_config>
   <listen_host>127.0.0.1</listen_host>
   <http_port>{args.http_port}</http_port>
   <tcp_port>{args.tcp_port}</tcp_port>
@@ -51,6 +52,21 @@ config = f"""<clickhouse>
 """
 with open(os.path.join(args.dir, "config.xml"), "w") as f:
     f.write(config)
+# The users of the 18.16 server of scripts/stack: "default" without a password and
+# "clickagg" with one (the tests use both).
+users = """<clickhouse>
+  <profiles><default/></profiles>
+  <users>
+    <default><password></password><networks><ip>127.0.0.1</ip><ip>::1</ip></networks>
+      <profile>default</profile><quota>default</quota><access_management>1</access_management></default>
+    <clickagg><password>clickagg-local-password</password><networks><ip>127.0.0.1</ip><ip>::1</ip></networks>
+      <profile>default</profile><quota>default</quota></clickagg>
+  </users>
+  <quotas><default/></quotas>
+</clickhouse>
+"""
+with open(os.path.join(args.dir, "users.xml"), "w") as f:
+    f.write(users)
 # clickhouse-local reads ./config.xml.
 os.chdir(args.dir)
 
