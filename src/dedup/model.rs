@@ -20,6 +20,10 @@ use crate::click::Minute;
 use crate::position::{self, CacheFrontier, Marks, Scope, Start};
 use crate::sink::{stored_version, Writer};
 
+// The reference the model is to be checked against (issue 22); not used by it yet.
+#[allow(dead_code)]
+mod oracle;
+
 const W: Secs = 10;
 const PARTITIONS: i32 = 2;
 /// Key groups of the cache; a click's entry lives in one (`SharedCache::group_of`).
