@@ -90,38 +90,13 @@ pub struct Redis {
     /// Per group: the state before the last claim call and who made it, while nothing
     /// else wrote the group since (what a failover that lost that call's writes leaves).
     pub undo: Vec<Option<(u64, Group)>>,
-    /// What the cache forgot since the model last looked.
-    pub forgot: Vec<Forgot>,
-    /// The model's note: every sighting (partition, offset) a claim decided.
-    pub claimed: BTreeSet<(i32, i64)>,
-}
-
-/// What the cache forgot, for the model's record of which cross-partition clicks may be
-/// decided against a cache without a copy counted before (`World::exposed`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Forgot {
-    All,
-    Group(usize),
-}
-
-impl Forgot {
-    pub fn covers(&self, id: u32) -> bool {
-        match self {
-            Forgot::All => true,
-            Forgot::Group(g) => group_of(id) == *g,
-        }
-    }
+    /// The model's note: per namespace, every sighting (partition, offset) claimed in it.
+    pub claimed: HashMap<Ns, BTreeSet<(i32, i64)>>,
 }
 
 impl Redis {
     pub fn new() -> Redis {
-        Redis {
-            groups: vec![Group::default(); GROUPS],
-            serial: 0,
-            undo: vec![None; GROUPS],
-            forgot: Vec::new(),
-            claimed: BTreeSet::new(),
-        }
+        Redis { groups: vec![Group::default(); GROUPS], serial: 0, undo: vec![None; GROUPS], claimed: HashMap::new() }
     }
 
     fn touched(&mut self, g: usize) {
@@ -132,14 +107,12 @@ impl Redis {
     pub fn wipe(&mut self) {
         self.groups = vec![Group::default(); GROUPS];
         self.undo = vec![None; GROUPS];
-        self.forgot.push(Forgot::All);
     }
 
     /// One key group lost everything (a node of a Redis Cluster).
     pub fn wipe_group(&mut self, g: usize) {
         self.groups[g] = Group::default();
         self.touched(g);
-        self.forgot.push(Forgot::Group(g));
     }
 
     /// A failover to a replica that lacks the last claim call's writes: the group is as
@@ -174,8 +147,6 @@ impl Redis {
             }
             Some(v) => self.renew(Some(v), tag),
             None => {
-                // A new namespace: whatever another group still holds is left behind.
-                self.forgot.push(Forgot::All);
                 let candidate = self.fresh(tag);
                 for g in 0..GROUPS {
                     self.set_ns(g, candidate);
@@ -200,7 +171,6 @@ impl Redis {
         let winner = match self.groups[0].ns {
             Some(ns) if Some(ns) != lost => ns,
             _ => {
-                self.forgot.push(Forgot::All);
                 self.set_ns(0, candidate);
                 if lost.is_some() {
                     self.groups[0].previous = lost;
@@ -309,7 +279,7 @@ impl Redis {
                 out.push(v);
                 continue;
             }
-            self.claimed.insert((p, s.offset));
+            self.claimed.entry(ns).or_default().insert((p, s.offset));
             if v == Verdict::CrossDuplicate && !reread && c.mode.pin.is_none() {
                 space.x.entry(p).or_default().insert(s.offset);
             }
@@ -338,10 +308,13 @@ impl Redis {
 
     /// `claim.lua`'s `restart` in every group (`SharedCache::restart`); `Err` when a
     /// group is not in `ns`.
-    pub fn restart(&mut self, ns: Ns, partition: i32, lookback: i64, boundary: i64) -> Result<(), Lost> {
+    /// `Ok(false)`: some group's frontier already reached the lookback, and it kept where
+    /// its re-reads are exact from.
+    pub fn restart(&mut self, ns: Ns, partition: i32, lookback: i64, boundary: i64) -> Result<bool, Lost> {
         // One call per group, all sent: the groups still in `ns` restart the partition
         // even when another answers lost.
         let mut lost = None;
+        let mut all = true;
         for g in 0..GROUPS {
             let group = &mut self.groups[g];
             if group.ns != Some(ns) {
@@ -352,9 +325,11 @@ impl Redis {
             if space.frontier.get(&partition).is_none_or(|&(next, _, _)| next < lookback) {
                 space.frontier.insert(partition, (lookback, 0, boundary));
                 self.touched(g);
+            } else {
+                all = false;
             }
         }
-        lost.map_or(Ok(()), Err)
+        lost.map_or(Ok(all), Err)
     }
 
     /// `SharedCache::frontiers`: what each group's frontier hash in `ns` says of `p`

@@ -94,14 +94,11 @@ pub struct World {
     pub committed: Vec<Option<i64>>,
     /// The wall clock (s).
     pub wall: Secs,
-    /// The cross-partition clicks the cache forgot while one copy was decided (or committed
-    /// past) and another still to be decided: the defects
-    /// `a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets`,
-    /// `a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click` and
-    /// `a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again` meet them.
+    /// The cross-partition clicks the defects `World::warms_up`, `World::resets_to` and
+    /// `World::fenced_pins` name meet.
     pub exposed: BTreeSet<u32>,
-    /// Per partition, where group resets forward skipped offsets from (a boundary).
-    pub skipped: BTreeMap<i32, i64>,
+    /// Per partition, the offsets group resets moved past that no member read since.
+    pub skipped: BTreeMap<i32, BTreeSet<i64>>,
     /// What the model saw the product do that the oracle contradicts on the way
     /// (record times, recorded clocks), or that the model cannot go on from.
     pub violations: Vec<String>,
@@ -139,21 +136,50 @@ impl World {
         }
     }
 
-    /// Takes note of what the cache forgot since the last look.
-    pub fn settle(&mut self) {
-        for forgot in std::mem::take(&mut self.redis.forgot) {
-            for c in &self.log.cross {
-                let settled =
-                    |&(p, o): &(usize, usize)| self.committed[p].is_some_and(|committed| (o as i64) < committed);
-                let decided = |&(p, o): &(usize, usize)| self.redis.claimed.contains(&(p as i32, o as i64));
-                // One copy decided (or committed past), and another still to be decided.
-                let exposed = c
-                    .copies
-                    .iter()
-                    .any(|a| (settled(a) || decided(a)) && c.copies.iter().any(|b| b != a && !settled(b)));
-                if forgot.covers(c.id) && exposed {
-                    self.exposed.insert(c.id);
-                }
+    /// A warm-up of `p` in namespace `ns` whose readiness covers the offsets from
+    /// `covered` on: a cross-partition click with a copy on `p` before that was never
+    /// claimed in `ns` (so the cache lacks it while the partition is ready, or the warm-up
+    /// starts its chain at a retry), and another copy still to be decided, meets the
+    /// defects `a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets`,
+    /// `a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click` and
+    /// `a_restart_that_finds_the_frontier_at_the_lookback_leaves_the_partition_ready_before_its_warm_up`.
+    pub fn warms_up(&mut self, ns: Ns, p: i32, covered: i64) {
+        let claimed = self.redis.claimed.get(&ns);
+        for c in &self.log.cross {
+            // Members count again from the boundary at or below the committed offset.
+            let settled = |&(q, o): &(usize, usize)| (o as i64) < self.boundary(q as i32, self.committed[q]);
+            let missing = |&(q, o): &(usize, usize)| {
+                q as i32 == p && (o as i64) < covered && !claimed.is_some_and(|s| s.contains(&(p, o as i64)))
+            };
+            if c.copies.iter().any(|a| missing(a) && c.copies.iter().any(|b| b != a && !settled(b))) {
+                self.exposed.insert(c.id);
+            }
+        }
+    }
+
+    /// The group's offsets move to the boundaries `to` (per partition): members will count
+    /// offsets a reset forward had skipped, which the cache takes for decided (a warm-up
+    /// claimed them, or `exact_from` lies past them) although nobody decided them: the
+    /// cross-partition clicks with a copy there meet the defect
+    /// `a_warm_up_after_a_reset_forward_counts_a_copy_another_partition_counted`.
+    pub fn resets_to(&mut self, to: &[i64]) {
+        for c in &self.log.cross {
+            let read_again = |&(p, o): &(usize, usize)| {
+                o as i64 >= to[p] && self.skipped.get(&(p as i32)).is_some_and(|s| s.contains(&(o as i64)))
+            };
+            if c.copies.iter().any(read_again) {
+                self.exposed.insert(c.id);
+            }
+        }
+    }
+
+    /// A flush fenced after a lost cache writes pins decided in it: the copies of those
+    /// clicks meet the defect `a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again`.
+    fn fenced_pins(&mut self, pins: &[crate::aggregate::PinRow]) {
+        for pin in pins {
+            let at = (pin.partition as usize, pin.offset as usize);
+            if let Some(c) = self.log.cross.iter().find(|c| c.copies.contains(&at)) {
+                self.exposed.insert(c.id);
             }
         }
     }
@@ -578,9 +604,7 @@ impl Member {
     /// assigned `partitions`. `None` when it cannot start (its plan cannot be made).
     pub fn join(w: &mut World, partitions: &[i32]) -> Option<Member> {
         let tag = w.latest();
-        let opened = w.redis.open(tag);
-        w.settle();
-        let Recovered::Ns(ns) = opened else { return None };
+        let Recovered::Ns(ns) = w.redis.open(tag) else { return None };
         let pid = w.pid();
         let mut m = Member {
             pid,
@@ -650,7 +674,8 @@ impl Member {
             let start = position::shared_start(p, m, frontier);
             let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
             if matches!(start.scope, Scope::Shared { .. }) && behind {
-                w.redis.restart(self.ns, p, m.lookback.0, m.boundary)?;
+                let restarted = w.redis.restart(self.ns, p, m.lookback.0, m.boundary)?;
+                w.warms_up(self.ns, p, if restarted { m.lookback.0 } else { m.boundary });
             }
             let until = start.read_from + PINS_WINDOW - 1;
             starts.push((start, w.load_pins(p, start.read_from, until, Some(self.ns)), until));
@@ -879,9 +904,7 @@ impl Member {
         add(&coverage::START_OVERS, 1);
         self.fence += 1;
         for _ in 0..4 {
-            let recovered = w.redis.recover(self.ns, &lost);
-            w.settle();
-            match recovered {
+            match w.redis.recover(self.ns, &lost) {
                 Recovered::Fatal => return Fate::Dead,
                 Recovered::Ns(ns) => self.ns = ns,
             }
@@ -919,11 +942,15 @@ impl Member {
         if let Some(stages) = crash_after {
             add(&coverage::MID_FLUSH_CRASHES, 1);
             w.write(&job, Writer::Member, self.ns.tag, stages);
+            if fence != self.fence && stages >= 1 {
+                w.fenced_pins(&job.flush.pins);
+            }
             return Fate::Dead;
         }
         w.write(&job, Writer::Member, self.ns.tag, 5);
         if fence != self.fence {
             add(&coverage::FENCED, 1);
+            w.fenced_pins(&job.flush.pins);
             return Fate::Alive;
         }
         let commits: BTreeMap<i32, i64> =
@@ -979,6 +1006,19 @@ impl Member {
 
     pub fn ns(&self) -> Ns {
         self.ns
+    }
+
+    /// Whether this member's claim task would find that key group `g` lost writes if the
+    /// group's frontiers went back from `now` to `then`: every partition the lost writes
+    /// moved is one whose frontier it saw acknowledged past where `then` leaves it.
+    pub fn would_notice(&self, then: &super::redis::Group, now: &super::redis::Group) -> bool {
+        let frontier = |g: &super::redis::Group| g.spaces.get(&self.ns).map(|s| s.frontier.clone()).unwrap_or_default();
+        let (before, after) = (frontier(then), frontier(now));
+        after.iter().all(|(p, &(next, _, _))| {
+            before.get(p).is_some_and(|&(was, _, _)| was == next)
+                || (self.acked.0 == self.ns
+                    && self.acked.1.get(p).is_some_and(|&seen| before.get(p).is_none_or(|&(was, _, _)| was - 1 < seen)))
+        })
     }
 
     /// One walk of this member's sweeper at the current wall clock.
