@@ -879,3 +879,98 @@ fn a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again() {
     assert!(run.finish(false));
     assert_eq!(run.check_strictly(), Vec::<String>::new(), "pins {:?}", run.w.pins);
 }
+
+// PRODUCT DEFECT (found by this model): claim.lua's `restart` leaves a partition alone when
+// its frontier already reaches the lookback (`next_ >= lookback`), even when it is short
+// of the boundary the warm-up counts from: the partition stays "ready", so other
+// partitions decide new copies while its warm-up has not claimed them yet. And a warm-up
+// claim starts its chain "counted" without looking at other partitions (a warm-up
+// rebuilds decisions made at the first read — but after a reset forward nobody made
+// them). When a reset back then makes members count that range, the re-read trusts the
+// warm chain (`Own`): a copy counted on another partition meanwhile counts as well.
+#[test]
+fn a_warm_up_after_a_reset_forward_counts_a_copy_another_partition_counted() {
+    // Click 1000 on both partitions at 0; partition 1 goes on. Batches of 4.
+    let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
+    let p1 = records(&[(0, Some(1_000)), (1, Some(9)), (2, Some(10)), (3, Some(11)), (4, Some(12))]);
+    let cross = vec![CrossClick { id: 1_000, ad: 0, minute: log::T0 - log::T0 % 60, copies: vec![(0, 0), (1, 0)] }];
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], cross), 4);
+    // A member starts (both partitions' frontiers at 0); partition 1 is reset forward to 4.
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Reset { at: vec![0, 204], graceful: true });
+    // The next member warms partition 1 up from 0 to 4, but `restart` left it ready: its
+    // read of partition 0's copy counts, then the warm-up claims partition 1's as counted.
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 1, then: Some((1, 1)), cut: false });
+    // The group is reset back to the start: both copies are re-read as counted.
+    run.op(&Op::Reset { at: vec![0, 0], graceful: false });
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+}
+
+// PRODUCT DEFECT (found by this model): the same early return of `restart` without any
+// reset. A member that moved to a new namespace planned a partition while nothing was
+// committed (its frontier there: 0, exact from 0); a zombie that never noticed the loss
+// then commits that partition past its copies. The next member's `restart` finds the
+// frontier at the lookback (0) and changes nothing: the partition is ready before its
+// warm-up, and a copy on another partition counts beside the one the zombie committed.
+#[test]
+fn a_restart_that_finds_the_frontier_at_the_lookback_leaves_the_partition_ready_before_its_warm_up() {
+    let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
+    let p1 = records(&[(0, Some(1_000)), (0, Some(9))]);
+    let cross = vec![CrossClick { id: 1_000, ad: 0, minute: log::T0 - log::T0 % 60, copies: vec![(0, 0), (1, 0)] }];
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], cross), 2);
+    // Member A reads partition 1 (its copy counts) and cuts a flush; member B takes
+    // partition 1 over while A does not know (a zombie).
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 1, k: 2, then: None, cut: true });
+    run.op(&Op::Join { parts: 2, handover: Handover::Zombie { commits: true } });
+    // The cache is lost; B notices on its next tick and plans partition 1 again (nothing
+    // committed yet); then A's flusher commits partition 1 to 2.
+    run.op(&Op::Wipe);
+    run.op(&Op::Idle { m: 1 });
+    run.op(&Op::Flush { m: 0, crash_after: None });
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+}
+
+// PRODUCT DEFECT (found by this model): a failover that loses writes is noticed only for
+// the partitions whose frontier the member saw acknowledged (`claim.lua`'s `expect`), but
+// a partition with a claim that had to wait in a poll batch is not acknowledged for that
+// batch (`SharedCache::claim`) — although the warm-up claims before the wait were applied
+// and are relied on (the reader rewinds only to the waiting claim). When a failover loses
+// such a call (without `redis.wait_replicas`), nothing notices, the next batch's marks
+// move the frontier past the lost sightings, and a retry of one counts again.
+#[test]
+fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
+    // Batches of 2. Click 9 (key group 1) at 0 on partition 1, its retry at 3; click 8
+    // (group 0) at 2. Partition 0: two clicks, so that it warms up too.
+    let p0 = records(&[(0, Some(20)), (1, Some(22)), (2, Some(24))]);
+    let p1 = records(&[(0, Some(9)), (1, Some(11)), (2, Some(8)), (3, Some(9))]);
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], Vec::new()), 2);
+    // A member reads and commits the first batch of both partitions; the cache is lost.
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 2, then: Some((1, 2)), cut: true });
+    run.op(&Op::Flush { m: 0, crash_after: None });
+    run.op(&Op::Crash { m: 0 });
+    run.op(&Op::Wipe);
+    // The next member warms both up. Partition 1's poll batch claims 9 and 11 (warm-up,
+    // group 1) and 8 (new, group 0), which waits for partition 0's warm-up.
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 1, k: 3, then: None, cut: false });
+    // Group 1 fails over to a replica without that call; the member's check sees nothing
+    // (partition 1 was not acknowledged: it waited).
+    let (caller, before) = run.w.redis.undo[1].clone().expect("the last call of group 1");
+    assert_eq!(caller, run.members[0].pid);
+    assert!(!run.members[0].would_notice(&before, &run.w.redis.groups[1]));
+    run.w.redis.lose_last_call(1);
+    run.op(&Op::Idle { m: 0 });
+    // It warms partition 0 up, reads partition 1 on (click 8 counts; its batch's marks
+    // move group 1's frontier past the lost claims) — the retry of click 9 counts — and
+    // commits.
+    run.op(&Op::Read { m: 0, p: 0, k: 3, then: None, cut: false });
+    run.op(&Op::Read { m: 0, p: 1, k: 2, then: None, cut: true });
+    run.op(&Op::Flush { m: 0, crash_after: None });
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new(), "click 9 at 3 is a retry");
+}
