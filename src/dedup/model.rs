@@ -978,3 +978,28 @@ fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
     assert!(run.finish(false));
     assert_eq!(run.check_strictly(), Vec::<String>::new(), "click 9 at 3 is a retry");
 }
+
+// PRODUCT DEFECT (found by this model, edge case): a replay loads the recorded pins a
+// window of offsets at a time (`Stages::ensure_pins`), so a pin recorded after it loaded
+// that window is not applied, and it counts that copy. Its rows normally lose to the
+// members' (same version, lower rank) — but after the tables are dropped and rebuilt
+// (`migrate`, `replay --from earliest`) while such a replay still runs, its row, written
+// last at the version of the rebuilding replay's, is the one kept.
+#[test]
+fn a_replay_that_loaded_its_pins_before_a_copy_was_pinned_outlives_a_rebuilt_table() {
+    let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
+    let p1 = records(&[(0, Some(9)), (0, Some(1_000)), (1, Some(10))]);
+    let cross = vec![CrossClick { id: 1_000, ad: 0, minute: log::T0 - log::T0 % 60, copies: vec![(0, 0), (1, 1)] }];
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], cross), 1);
+    // A replay starts and reads the first record of partition 1 (its pins: none yet).
+    run.op(&Op::Replay { from: vec![0, 0] });
+    run.op(&Op::ReplayRead { r: 0, p: 1, k: 1, crash: false });
+    // A member counts partition 0's copy, pins partition 1's, and commits both.
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 2, then: Some((1, 3)), cut: false });
+    run.op(&Op::Stop { m: 0 });
+    // The tables are rebuilt; then the first replay goes on and writes partition 1's copy.
+    run.op(&Op::Rebuild);
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+}
