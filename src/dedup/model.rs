@@ -18,6 +18,8 @@
 //!
 //! Whatever the interleaving, once a last member has read everything (and a replay the
 //! ranges resets skipped), the rows of every grain must give the oracle's counts.
+//! `MODEL_TRACE=1` prints a case's log, every operation and every claim (paste a shrunk
+//! input into a test to follow it).
 //!
 //! # What the product gets wrong today
 //!
