@@ -7,7 +7,7 @@
 //!
 //! | hook | called by | when |
 //! |---|---|---|
-//! | [`reading`](StatusBoard::reading) | `Stages::assign`, `Stages::fall_back_to_private` | a reader starts a partition |
+//! | [`reading`](StatusBoard::reading) | `Stages::assign`, `Stages::fall_back` | a reader starts a partition |
 //! | [`revoked`](StatusBoard::revoked) | `Stages::revoke` | partitions stop being ours |
 //! | [`read_up_to`](StatusBoard::read_up_to) | `Stages::prepare` | a poll batch is taken in |
 //! | [`flushed`](StatusBoard::flushed), [`committed`](StatusBoard::committed) | the flusher | a flush is durable, its offsets committed |
