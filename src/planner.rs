@@ -21,6 +21,7 @@ use tracing::{info, warn};
 
 use crate::aggregate::BatchOffsets;
 use crate::cache::{DedupError, SharedCache};
+use crate::config::Settings;
 use crate::dedup::{PartitionClock, Pin, Secs};
 use crate::pipeline::{hold, Distrust, RecordedPins, Stages};
 use crate::position::{self, Boundary, Marks, Scope, Start};
@@ -82,16 +83,28 @@ pub struct Planner {
 }
 
 impl Planner {
-    pub fn new(
-        topic: &str,
-        sink: Sink,
-        cache: Option<SharedCache>,
-        n: BatchOffsets,
-        window: Secs,
-        max_record_lag: Duration,
-        rules: Option<RulesHistory>,
-    ) -> Planner {
-        Planner { topic: topic.to_string(), sink, cache, n, window, max_record_lag, rules, identity_checked: false }
+    /// A member's: with the shared cache and the recorded settings versions.
+    pub fn for_member(s: &Settings, sink: Sink, cache: SharedCache, rules: RulesHistory) -> Planner {
+        Planner::new(s, sink, Some(cache), Some(rules))
+    }
+
+    /// A replay's: it never touches Redis, and decides each range under the settings
+    /// recorded for it.
+    pub fn for_replay(s: &Settings, sink: Sink) -> Planner {
+        Planner::new(s, sink, None, None)
+    }
+
+    fn new(s: &Settings, sink: Sink, cache: Option<SharedCache>, rules: Option<RulesHistory>) -> Planner {
+        Planner {
+            topic: s.kafka.topic.clone(),
+            sink,
+            cache,
+            n: s.batch_offsets(),
+            window: s.rules().window(),
+            max_record_lag: s.dedup.max_record_lag,
+            rules,
+            identity_checked: false,
+        }
     }
 
     /// Plans where each newly assigned partition starts (`position::shared_start`):
@@ -148,7 +161,10 @@ impl Planner {
                 );
                 metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
             }
-            let start = position::shared_start(p, m, frontier);
+            let mut start = position::shared_start(p, m, frontier);
+            // Never above the log end: an offset reset past it would keep every commit back.
+            let committed = requested.get(&p).copied().flatten().unwrap_or(0).min(at[&p].high);
+            start.commit_floor = committed.max(start.count_from);
             let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
             if matches!(start.scope, Scope::Shared { .. }) && behind {
                 // The cache lacks everything before the lookback: its re-reads below the

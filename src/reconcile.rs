@@ -113,14 +113,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     let mut clocks: BTreeMap<i32, PartitionClock> = marks.iter().map(|(&p, m)| (p, m.lookback.1)).collect();
     let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
     let (mut scanned, mut warmup) = (0u64, 0u64);
-    let group = format!("{}-reconcile", s.kafka.group);
-    let mut reader = RangeReader::new(
-        &s.kafka,
-        &group,
-        &read,
-        crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key),
-        s.pipeline.max_poll_records,
-    )?;
+    let mut reader = RangeReader::for_settings(s, "reconcile", &read)?;
     while let Some(batch) = reader.next_batch().await.context("reading the topic")? {
         for r in batch {
             let clock = clocks.entry(r.partition).or_default().tick(r.timestamp_ms);

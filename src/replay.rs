@@ -338,25 +338,10 @@ async fn run_plan(
     });
     // No shared cache: every reader of a replay is private, and nothing of it touches Redis.
     let mut stages = Stages::new(StagesConfig::from_settings(s), health);
-    let mut planner = Planner::new(
-        &s.kafka.topic,
-        sink.clone(),
-        None,
-        s.batch_offsets(),
-        s.rules().window(),
-        s.dedup.max_record_lag,
-        None,
-    );
+    let mut planner = Planner::for_replay(s, sink.clone());
     stages.assign(with_pins);
 
-    let group = format!("{}-replay", s.kafka.group);
-    let mut reader = RangeReader::new(
-        &s.kafka,
-        &group,
-        &read,
-        crate::source::Decoder::new(&s.validation, &s.dedup.fingerprint_key),
-        s.pipeline.max_poll_records,
-    )?;
+    let mut reader = RangeReader::for_settings(s, "replay", &read)?;
     let progress = Progress::new(&read);
     let mut last_flush = Instant::now();
     loop {
@@ -370,7 +355,10 @@ async fn run_plan(
         planner.ensure_pins(&mut stages, &records, shutdown, s.pipeline.max_backoff).await?;
         let prepared = stages.prepare(records);
         stages.apply(prepared, Vec::new());
-        if stages.has_complete_batches() || last_flush.elapsed() >= s.pipeline.flush_interval {
+        // One flush per interval, as a member does: few large inserts, whatever the
+        // batches do; a backlog half-way to the member's pause threshold cuts one early.
+        let backlog = stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets / 2;
+        if backlog || last_flush.elapsed() >= s.pipeline.flush_interval {
             flusher.send(stages.cut(CommitMode::Async)).await;
             last_flush = Instant::now();
         }

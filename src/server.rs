@@ -84,11 +84,7 @@ pub async fn probe(
     shutdown: CancellationToken,
 ) {
     let mut ticker = tokio::time::interval(every);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => {}
-        }
+    while tick(&mut ticker, &shutdown).await {
         health.set_redis(redis.ping().await.is_ok());
         health.set_clickhouse(clickhouse.ping().await.is_ok());
     }
@@ -103,10 +99,15 @@ pub async fn sample_forever(
     shutdown: CancellationToken,
 ) {
     let mut ticker = tokio::time::interval(every);
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = ticker.tick() => health.status().sample(&metrics.render(), status::unix_now()),
-        }
+    while tick(&mut ticker, &shutdown).await {
+        health.status().sample(&metrics.render(), status::unix_now());
+    }
+}
+
+/// The next tick, or `false` once `shutdown` is cancelled.
+async fn tick(ticker: &mut tokio::time::Interval, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = shutdown.cancelled() => false,
+        _ = ticker.tick() => true,
     }
 }

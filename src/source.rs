@@ -19,7 +19,7 @@ use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::click::{decode_with, Click, Limits, Rejection};
-use crate::config::KafkaSettings;
+use crate::config::{KafkaSettings, Settings};
 use crate::dedup::{Fingerprint, Fingerprinter};
 
 /// One consumed record, decoded. Only rejected records keep their raw bytes (for the
@@ -45,6 +45,11 @@ impl Decoder {
     /// Decodes records as every reader does: these limits, this fingerprint key.
     pub fn new(validation: &crate::config::ValidationSettings, fingerprint_key: &crate::config::Secret) -> Decoder {
         Decoder { limits: validation.limits(), fingerprints: Fingerprinter::new(fingerprint_key.expose()) }
+    }
+
+    /// The decoder every reader of these settings uses: a member, a replay, reconcile.
+    pub fn from_settings(s: &Settings) -> Decoder {
+        Decoder::new(&s.validation, &s.dedup.fingerprint_key)
     }
 }
 
@@ -465,6 +470,13 @@ pub struct RangeReader {
 }
 
 impl RangeReader {
+    /// A reader of `ranges` for a process of `role` (`replay`, `reconcile`): a group name
+    /// of its own (it commits nothing), the settings' decoder and poll size.
+    pub fn for_settings(s: &Settings, role: &str, ranges: &Ranges) -> Result<RangeReader, KafkaError> {
+        let group = format!("{}-{role}", s.kafka.group);
+        RangeReader::new(&s.kafka, &group, ranges, Decoder::from_settings(s), s.pipeline.max_poll_records)
+    }
+
     pub fn new(
         k: &KafkaSettings,
         group: &str,

@@ -73,6 +73,12 @@ pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
 /// Records read whose claims Redis has not answered yet (poll batches in flight).
 pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
+/// Where each of a member's tasks spends its time: `stage` is the task (`loop`, `claimer`,
+/// `flusher`), `state` what it did (`busy`, or what it waited for). Microseconds, as a
+/// counter: `rate()` of it is the fraction of a core.
+pub const STAGE_TIME: &str = "clickagg_stage_microseconds_total";
+/// Records per poll batch the loop takes in (each is one claim call per key group).
+pub const POLL_BATCH_RECORDS: &str = "clickagg_poll_batch_records";
 /// 1, labelled with what was built: `version`, and `git_sha`, `rustc` where known.
 pub const BUILD_INFO: &str = "clickagg_build_info";
 
@@ -117,6 +123,8 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (BUCKETS_HELD, Kind::Gauge, "Changed count buckets held in memory until a flush makes them durable."),
     (PAUSED, Kind::Gauge, "1 while consumption is paused (Redis refusing claims, or too many unflushed buckets)."),
     (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
+    (STAGE_TIME, Kind::Counter, "Microseconds each task (stage: loop, claimer, flusher) spent per state (busy, or what it waited for)."),
+    (POLL_BATCH_RECORDS, Kind::Histogram, "Records per poll batch the loop takes in."),
     (BUILD_INFO, Kind::Gauge, "Always 1; the labels say which clickagg runs: version, git_sha and rustc where known."),
 ];
 
@@ -158,6 +166,9 @@ const FLUSH_BUCKETS: &[f64] = &[0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.
 /// Freshness buckets, seconds: the target is the flush interval plus a second.
 const FRESHNESS_BUCKETS: &[f64] = &[0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 300.0];
 
+/// Poll batch sizes, records.
+const POLL_BATCH_BUCKETS: &[f64] = &[1.0, 10.0, 100.0, 500.0, 1000.0, 2000.0, 5000.0, 10000.0, 20000.0, 50000.0];
+
 static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
 
 /// Installs the Prometheus recorder once per process, describes every metric, and
@@ -169,6 +180,8 @@ pub fn metrics() -> PrometheusHandle {
                 .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.to_string()), FLUSH_BUCKETS)
                 .expect("buckets are not empty")
                 .set_buckets_for_metric(Matcher::Full(FRESHNESS.to_string()), FRESHNESS_BUCKETS)
+                .expect("buckets are not empty")
+                .set_buckets_for_metric(Matcher::Full(POLL_BATCH_RECORDS.to_string()), POLL_BATCH_BUCKETS)
                 .expect("buckets are not empty")
                 .install_recorder()
                 .expect("the Prometheus recorder is installed once");
@@ -246,6 +259,26 @@ pub fn init_logs(settings: &LogSettings) {
         LogFormat::Human => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
     };
+}
+
+/// Attributes a task's time to what it was doing, for [`STAGE_TIME`]: each `mark` books
+/// the time since the previous one under `state`.
+pub struct StageClock {
+    stage: &'static str,
+    since: Instant,
+}
+
+impl StageClock {
+    pub fn new(stage: &'static str) -> StageClock {
+        StageClock { stage, since: Instant::now() }
+    }
+
+    pub fn mark(&mut self, state: &'static str) {
+        let now = Instant::now();
+        let micros = now.duration_since(self.since).as_micros() as u64;
+        metrics::counter!(STAGE_TIME, "stage" => self.stage, "state" => state).increment(micros);
+        self.since = now;
+    }
 }
 
 /// Lets one log line per key through per interval and counts the rest, so a topic full

@@ -135,15 +135,7 @@ impl Member {
         }));
         let (claimer, verdicts) = Claimer::start(cache.handle(), s.pipeline.max_backoff, self.health.clone());
         let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.clone())));
-        let planner = Arc::new(Mutex::new(Planner::new(
-            &s.kafka.topic,
-            sink,
-            Some(cache),
-            s.batch_offsets(),
-            s.rules().window(),
-            s.dedup.max_record_lag,
-            Some(rules),
-        )));
+        let planner = Arc::new(Mutex::new(Planner::for_member(s, sink, cache, rules)));
         let paused = Arc::new(AtomicBool::new(false));
         let context = GroupContext {
             stages: stages.clone(),
@@ -176,6 +168,7 @@ impl Member {
             holds: BTreeMap::new(),
             rewound: BTreeMap::new(),
             max_backoff: s.pipeline.max_backoff,
+            max_unflushed: s.pipeline.max_unflushed_buckets,
             shutdown: &shutdown,
             log_waits: RateLimiter::new(Duration::from_secs(5)),
             topic: &s.kafka.topic,

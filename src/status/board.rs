@@ -7,7 +7,7 @@
 //!
 //! | hook | called by | when |
 //! |---|---|---|
-//! | [`reading`](StatusBoard::reading) | `Stages::assign`, `Stages::fall_back_to_private` | a reader starts a partition |
+//! | [`reading`](StatusBoard::reading) | `Stages::assign`, `Stages::fall_back` | a reader starts a partition |
 //! | [`revoked`](StatusBoard::revoked) | `Stages::revoke` | partitions stop being ours |
 //! | [`read_up_to`](StatusBoard::read_up_to) | `Stages::prepare` | a poll batch is taken in |
 //! | [`flushed`](StatusBoard::flushed), [`committed`](StatusBoard::committed) | the flusher | a flush is durable, its offsets committed |
@@ -322,7 +322,7 @@ mod tests {
     use super::*;
 
     fn start(partition: i32, read_from: i64, count_from: i64, scope: Scope) -> Start {
-        Start { partition, read_from, count_from, clock: Default::default(), scope }
+        Start { partition, read_from, count_from, clock: Default::default(), scope, commit_floor: count_from }
     }
 
     fn board() -> StatusBoard {
