@@ -333,7 +333,6 @@ impl Stages {
     }
 
     fn publish_assignment(&self) {
-        self.health.set_assigned(self.readers.len());
         metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
     }
 
