@@ -15,6 +15,8 @@
 //! - [`position`]: where a reader starts a partition: a batch boundary, after a warm-up.
 //! - [`aggregate`]: pure per-partition, offset-aligned batches of counts → flushes.
 //! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
+//! - [`seal`]: sealed hours and days, compacted from settled minute rows, re-sealed
+//!   when those change; the lease that keeps one sealer at a time.
 //! - [`pipeline`]: the stages' state and what they do to a poll batch.
 //! - [`member`]: the consumer-group loop, rebalance callbacks and the drain.
 //! - [`health`]: `/metrics`, `/livez`, `/readyz` and the status page `/` on `http.addr`.
@@ -46,6 +48,7 @@ pub mod query;
 pub mod reconcile;
 pub mod replay;
 pub mod retry;
+pub mod seal;
 pub mod secrets;
 pub mod server;
 pub mod sink;
