@@ -73,6 +73,15 @@ pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
 /// Records read whose claims Redis has not answered yet (poll batches in flight).
 pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
+/// Hours and days sealed for the first time, per `grain` (`hour`, `day`).
+pub const SEALS: &str = "clickagg_seals_total";
+/// Sealed hours and days sealed again because their minute rows changed, per `grain`.
+pub const RESEALS: &str = "clickagg_reseals_total";
+/// How far behind the server's clock the end of the newest sealed hour is (every
+/// member reports it, whichever holds the sealer's lease).
+pub const SEAL_LAG: &str = "clickagg_seal_lag_seconds";
+/// Sealing rounds that failed (and were tried again).
+pub const SEAL_ERRORS: &str = "clickagg_seal_errors_total";
 
 /// Explicit flush-duration buckets, seconds: a healthy flush takes milliseconds, a
 /// struggling server seconds.
@@ -119,8 +128,13 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         REDIS_RETRIES,
         CLICKHOUSE_ERRORS,
         CLICKHOUSE_RETRIES,
+        SEAL_ERRORS,
     ] {
         metrics::counter!(name).absolute(0);
+    }
+    for grain in ["hour", "day"] {
+        metrics::counter!(SEALS, "grain" => grain).absolute(0);
+        metrics::counter!(RESEALS, "grain" => grain).absolute(0);
     }
     for reason in crate::click::RejectReason::ALL {
         metrics::counter!(INVALID_RECORDS, "reason" => reason.as_str()).absolute(0);
@@ -147,6 +161,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
     metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);
     metrics::gauge!(READY).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);
+    // 0 until the member's first look at the sealer's progress, moments after it starts.
+    metrics::gauge!(SEAL_LAG).set(0.0);
 }
 
 /// Installs the tracing subscriber: `RUST_LOG` if set, else the configured filter.

@@ -15,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use proptest::prelude::*;
 
 use super::{decide_shared, Chain, ClaimMode, Frontier, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict};
-use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush, Grain};
+use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::click::Minute;
 use crate::position::{self, CacheFrontier, Marks, Scope, Start};
 use crate::sink::{stored_version, Writer};
@@ -88,7 +88,7 @@ impl Group {
 /// Redis, ClickHouse and the group's offsets.
 struct World {
     groups: Vec<Group>,
-    rows: HashMap<(Grain, i32, i64, BucketKey), (u64, u64)>,
+    rows: HashMap<(i32, i64, BucketKey), (u64, u64)>,
     pins: HashMap<(i32, i64), Pin>,
     committed: HashMap<i32, i64>,
 }
@@ -131,7 +131,7 @@ impl World {
         let writer = if member { Writer::Member } else { Writer::Replay };
         for r in &flush.rows {
             let version = stored_version(r.version, writer);
-            let slot = self.rows.entry((r.grain, r.partition, r.batch_start, r.key)).or_insert((r.clicks, version));
+            let slot = self.rows.entry((r.partition, r.batch_start, r.key)).or_insert((r.clicks, version));
             if version >= slot.1 {
                 *slot = (r.clicks, version);
             }
@@ -158,12 +158,10 @@ impl World {
         out
     }
 
-    fn billing(&self, grain: Grain) -> BTreeMap<BucketKey, u64> {
+    fn billing(&self) -> BTreeMap<BucketKey, u64> {
         let mut out = BTreeMap::new();
-        for ((g, _, _, k), (clicks, _)) in &self.rows {
-            if *g == grain {
-                *out.entry(*k).or_default() += clicks;
-            }
+        for ((_, _, k), (clicks, _)) in &self.rows {
+            *out.entry(*k).or_default() += clicks;
         }
         out.retain(|_, c: &mut u64| *c > 0);
         out
@@ -283,7 +281,8 @@ impl<'a> Process<'a> {
             items.push(Item { offset, rec, clock, warm: offset < reader.start.count_from, verdict: None });
         }
         // Decisions: private ones at once, shared ones per key group with the marks.
-        let mut claims: Vec<Vec<(usize, (u8, Sighting, ClaimMode))>> = (0..GROUPS).map(|_| Vec::new()).collect();
+        type GroupClaims = Vec<(usize, (u8, Sighting, ClaimMode))>;
+        let mut claims: Vec<GroupClaims> = (0..GROUPS).map(|_| Vec::new()).collect();
         let mut marks: BTreeMap<i32, (i64, Secs)> = BTreeMap::new();
         for (i, item) in items.iter_mut().enumerate() {
             let Some((click, _)) = item.rec.click else { continue };
@@ -489,16 +488,7 @@ proptest! {
         let mut last = Process::member(&mut world, &log, n);
         last.read_to_end(&mut world);
         last.flush(&mut world, true);
-        let minutes = world.billing(Grain::Minute);
-        prop_assert_eq!(&minutes, &expected(&log, &world.pins));
-        // The hourly and daily roll-ups, written by the same readers, agree with them.
-        for grain in [Grain::Hour, Grain::Day] {
-            let mut rolled = BTreeMap::new();
-            for (k, c) in &minutes {
-                *rolled.entry(BucketKey { ad_id: k.ad_id, minute: grain.truncate(k.minute) }).or_default() += c;
-            }
-            prop_assert_eq!(world.billing(grain), rolled);
-        }
+        prop_assert_eq!(world.billing(), expected(&log, &world.pins));
     }
 }
 
@@ -523,6 +513,6 @@ fn without_copies_on_other_partitions_the_counts_are_the_definition_alone() {
     last.flush(&mut world, true);
     // 0 counts; 5 and 12 are within 10 s of the sighting before them; 30 counts; 31 is another click.
     let minute = |ad| BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds(0) };
-    assert_eq!(world.billing(Grain::Minute), BTreeMap::from([(minute(0), 3)]));
+    assert_eq!(world.billing(), BTreeMap::from([(minute(0), 3)]));
     assert!(world.pins.is_empty());
 }

@@ -82,8 +82,15 @@
 //! through a time of their choosing). Nothing above depends on the lease: it only
 //! keeps members from doing the same work twice.
 
+pub mod check;
+pub mod due;
+pub mod lease;
 pub mod plan;
+pub mod round;
 pub mod split;
+pub mod task;
+
+pub use round::{Due, Report, SealError, Sealer};
 
 /// Where a test stops the process with `SIGKILL` (`kill -9`): when the variable
 /// `CLICKAGG_TEST_STOP_AT` names this step. Only in debug builds (the ones the
