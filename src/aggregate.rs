@@ -267,11 +267,12 @@ impl Aggregator {
             if let Some(open) = &mut state.open {
                 open.cut_rows(p, &mut flush);
             }
-            let commit = match &state.open {
-                Some(open) => open.start,
-                None => state.next_start.expect("a partition with state has read an offset"),
-            };
-            flush.commits.insert(p, commit);
+            // The position after the last offset read: everything before it is in this
+            // flush. A reader starting there begins at the batch boundary at or below it
+            // and rebuilds the open batch's rows as they were, so committing the flushed
+            // position (not the open batch's start) changes nothing a restart re-reads,
+            // and lag tools see a caught-up member as caught up.
+            flush.commits.insert(p, state.last_offset + 1);
             if remove {
                 let state = self.partitions.remove(&p).expect("present");
                 self.buckets_held -= held(&state);
@@ -281,8 +282,9 @@ impl Aggregator {
         flush
     }
 
-    /// The offset a cut of `partition` would commit now (`None`: nothing read of it).
-    pub fn commit_offset(&self, partition: i32) -> Option<i64> {
+    /// The start of the batch `partition` is in now, open or next (`None`: nothing read
+    /// of it): where a re-read that rebuilds its rows must start.
+    pub fn open_batch_start(&self, partition: i32) -> Option<i64> {
         let state = self.partitions.get(&partition)?;
         match &state.open {
             Some(open) => Some(open.start),
@@ -302,11 +304,6 @@ impl Aggregator {
 
     pub fn partitions(&self) -> impl Iterator<Item = i32> + '_ {
         self.partitions.keys().copied()
-    }
-
-    /// Whether some batch is complete and waiting for its final rows to be flushed.
-    pub fn has_complete_batches(&self) -> bool {
-        self.partitions.values().any(|s| !s.complete.is_empty())
     }
 }
 
@@ -374,8 +371,9 @@ mod tests {
         let f = agg.take_flush();
         let row = BatchRow { key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 };
         assert_eq!(f.rows, vec![row], "one minute row; hours and days are the sealer's");
-        // The batch is still open: committing past its start would lose its clicks on a crash.
-        assert_eq!(f.commits, BTreeMap::from([(0, 0)]));
+        // The flushed position, although the batch is open: a restart reads from the batch
+        // boundary at or below it (0) and rebuilds the batch's rows as they were.
+        assert_eq!(f.commits, BTreeMap::from([(0, 3)]));
 
         agg.observe(0, 3, Some(key(1, 0)), None);
         let f = agg.take_flush();
@@ -400,7 +398,6 @@ mod tests {
     fn a_batch_completes_at_its_last_offset_or_when_a_later_offset_arrives() {
         let mut agg = Aggregator::new(n(10));
         agg.observe(0, 9, Some(key(1, 0)), None);
-        assert!(agg.has_complete_batches());
         let f = agg.take_flush();
         assert_eq!(f.commits, BTreeMap::from([(0, 10)]));
 
@@ -408,7 +405,7 @@ mod tests {
         agg.observe(1, 23, None, None); // offsets 6..23 compacted away
         let f = agg.take_flush();
         assert_eq!(f.rows.len(), 1);
-        assert_eq!(f.commits, BTreeMap::from([(0, 10), (1, 20)]));
+        assert_eq!(f.commits, BTreeMap::from([(0, 10), (1, 24)]));
         assert_eq!(agg.buckets_held(), 0);
     }
 
@@ -419,7 +416,7 @@ mod tests {
         agg.observe(1, 0, Some(key(1, 0)), None);
         let f = agg.take_partitions(&[1]);
         assert_eq!(f.rows.len(), 1);
-        assert_eq!(f.commits, BTreeMap::from([(1, 0)]));
+        assert_eq!(f.commits, BTreeMap::from([(1, 1)]));
         assert_eq!(agg.partitions().collect::<Vec<_>>(), vec![0]);
         assert_eq!(agg.buckets_held(), 1);
         agg.forget(0);
@@ -507,10 +504,12 @@ mod tests {
             for k in log.iter().flatten() { *expected.entry(key(k.0, k.1)).or_default() += 1; }
 
             let mut table = Table::default();
+            // A reader starts at the batch boundary at or below the committed offset.
             let mut committed = 0i64;
             for (crash_at, flush_before_crash) in crash_points {
                 let mut agg = Aggregator::new(n(batch));
-                for (o, entry) in log.iter().enumerate().skip(committed as usize).take(crash_at) {
+                let from = n(batch).start_of(committed) as usize;
+                for (o, entry) in log.iter().enumerate().skip(from).take(crash_at) {
                     agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)), None);
                 }
                 if flush_before_crash && agg.partitions().next().is_some() {
@@ -521,18 +520,19 @@ mod tests {
                 // Crash: everything not flushed is lost.
             }
             let mut agg = Aggregator::new(n(batch));
-            for (o, entry) in log.iter().enumerate().skip(committed as usize) {
+            for (o, entry) in log.iter().enumerate().skip(n(batch).start_of(committed) as usize) {
                 agg.observe(0, o as i64, entry.map(|(a, m)| key(a, m)), None);
             }
             table.apply(&agg.take_flush());
             prop_assert_eq!(table.billing(), expected);
         }
 
-        /// Commits are batch boundaries, never past the last offset read (whose click may be
-        /// only in this flush), and never more than the open batch behind it: a restart
-        /// re-reads at most one batch per partition.
+        /// A commit is the flushed position: never past the last offset read (whose click
+        /// may be only in this flush), and its batch boundary — where a restart reads from
+        /// — never more than the open batch behind it: a restart re-reads at most one batch
+        /// per partition.
         #[test]
-        fn commits_are_boundaries_at_most_one_batch_behind(
+        fn commits_are_the_flushed_position_and_restarts_at_most_one_batch_behind(
             log in log_strategy(),
             batch in 1u64..40,
             flush_every in 1usize..50,
@@ -545,9 +545,8 @@ mod tests {
                 if (o as usize).is_multiple_of(flush_every) {
                     let f = agg.take_flush();
                     let commit = f.commits[&0];
-                    prop_assert_eq!(commit % batch as i64, 0);
-                    prop_assert!(commit <= o + 1);
-                    prop_assert!(commit >= n.start_of(o));
+                    prop_assert_eq!(commit, o + 1);
+                    prop_assert!(n.start_of(commit) >= n.start_of(o));
                     for r in &f.rows { prop_assert!(r.version <= o); }
                 }
             }

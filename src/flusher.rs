@@ -152,7 +152,9 @@ impl Flusher {
 
 async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<Shared>) {
     let log_limit = RateLimiter::new(Duration::from_secs(5));
+    let mut clock = t::StageClock::new("flusher");
     while let Some(message) = rx.recv().await {
+        clock.mark("idle");
         let job = match message {
             Message::Barrier(done) => {
                 let _ = done.send(());
@@ -175,6 +177,7 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
             }
         }
         shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
+        clock.mark("busy");
     }
 }
 

@@ -132,6 +132,9 @@ struct Reader {
     pins: RecordedPins,
     /// The last offset taken in: anything at or below it is a stale fetch.
     last: i64,
+    /// Commits of this partition go out only past it (`Start::commit_floor`), which
+    /// rises with every commit cut.
+    commit_floor: i64,
 }
 
 impl Reader {
@@ -330,7 +333,6 @@ impl Stages {
     }
 
     fn publish_assignment(&self) {
-        self.health.set_assigned(self.readers.len());
         metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
     }
 
@@ -418,7 +420,7 @@ impl Stages {
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
     /// the claims), then the aggregator. Returns the partitions that stop trusting the
-    /// cache; the caller falls them back to private state (`fall_back_to_private`).
+    /// cache; the caller falls them back to private state (`Planner::fall_back`).
     pub fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> Applied {
         let Prepared { mut items, claimed, .. } = prepared;
         let mut distrusted: BTreeMap<i32, (Distrust, u64)> = BTreeMap::new();
@@ -558,7 +560,7 @@ impl Stages {
     /// where its reader counts from when nothing of it is held (`None`: not ours).
     pub fn fall_back_from(&self, partition: i32) -> Option<i64> {
         let reader = self.readers.get(&partition)?;
-        Some(self.agg.commit_offset(partition).unwrap_or(reader.count_from))
+        Some(self.agg.open_batch_start(partition).unwrap_or(reader.count_from))
     }
 
     /// Stops deciding `partition` from the shared cache: its state so far (decided
@@ -580,7 +582,10 @@ impl Stages {
         self.private.forget(partition);
         self.generation += 1;
         self.health.status().reading(&start);
-        self.readers.insert(partition, Reader::new(start, pins, self.generation));
+        let floor = self.readers.get(&partition).map_or(start.commit_floor, |r| r.commit_floor);
+        let mut reader = Reader::new(start, pins, self.generation);
+        reader.commit_floor = reader.commit_floor.max(floor);
+        self.readers.insert(partition, reader);
     }
 
     /// After the cache was lost (and renewed): every partition starts over from `starts`
@@ -601,6 +606,17 @@ impl Stages {
     fn job(&mut self, flush: Flush, commit_mode: CommitMode) -> Job {
         let mut all = std::mem::take(&mut self.carried);
         all.merge(flush);
+        // A reader re-reading the open batch below the group's position (after a restart
+        // or a rebalance) does not commit until it is past it: the commits it would send
+        // meanwhile are behind it, and would show lag tools the group moving back.
+        all.commits.retain(|p, c| match self.readers.get_mut(p) {
+            Some(reader) if *c > reader.commit_floor => {
+                reader.commit_floor = *c;
+                true
+            }
+            Some(_) => false,
+            None => true,
+        });
         let buckets = all.rows.len();
         Job {
             flush: all,
@@ -616,10 +632,6 @@ impl Stages {
     pub fn unflushed_buckets(&self) -> usize {
         self.agg.buckets_held()
     }
-
-    pub fn has_complete_batches(&self) -> bool {
-        self.agg.has_complete_batches()
-    }
 }
 
 impl Reader {
@@ -631,6 +643,7 @@ impl Reader {
             scope: start.scope,
             pins,
             last: start.read_from - 1,
+            commit_floor: start.commit_floor,
         }
     }
 }

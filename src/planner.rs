@@ -161,7 +161,10 @@ impl Planner {
                 );
                 metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(1);
             }
-            let start = position::shared_start(p, m, frontier);
+            let mut start = position::shared_start(p, m, frontier);
+            // Never above the log end: an offset reset past it would keep every commit back.
+            let committed = requested.get(&p).copied().flatten().unwrap_or(0).min(at[&p].high);
+            start.commit_floor = committed.max(start.count_from);
             let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
             if matches!(start.scope, Scope::Shared { .. }) && behind {
                 // The cache lacks everything before the lookback: its re-reads below the

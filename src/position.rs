@@ -32,6 +32,10 @@ pub struct Start {
     /// clock at the log start).
     pub clock: PartitionClock,
     pub scope: Scope,
+    /// The group's committed offset when the reader started (at least `count_from`):
+    /// the reader commits only past it, so the group's position never moves back while
+    /// it re-reads the open batch below it.
+    pub commit_floor: i64,
 }
 
 /// Where a reader's decisions come from.
@@ -114,7 +118,14 @@ pub fn boundary(n: BatchOffsets, low: i64, high: i64, requested: Option<i64>) ->
 /// [`Scope::Private`].
 pub fn private_start(partition: i32, m: Marks, resume: Option<Resume>) -> Start {
     let (read_from, clock) = m.lookback;
-    Start { partition, read_from, count_from: m.boundary, clock, scope: Scope::Private { resume } }
+    Start {
+        partition,
+        read_from,
+        count_from: m.boundary,
+        clock,
+        scope: Scope::Private { resume },
+        commit_floor: m.boundary,
+    }
 }
 
 /// What the shared cache says of a partition (`dedup::SharedCache::frontiers`).
@@ -173,7 +184,14 @@ pub fn shared_start(partition: i32, m: Marks, frontier: Option<CacheFrontier>) -
     // boundary (claims at or below the frontier change nothing).
     let (read_from, clock) = if covered { m.near } else { m.lookback };
     let reread_until = if covered { reread_until } else { None };
-    Start { partition, read_from, count_from: m.boundary, clock, scope: Scope::Shared { reread_until } }
+    Start {
+        partition,
+        read_from,
+        count_from: m.boundary,
+        clock,
+        scope: Scope::Shared { reread_until },
+        commit_floor: m.boundary,
+    }
 }
 
 #[cfg(test)]

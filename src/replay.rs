@@ -355,7 +355,10 @@ async fn run_plan(
         planner.ensure_pins(&mut stages, &records, shutdown, s.pipeline.max_backoff).await?;
         let prepared = stages.prepare(records);
         stages.apply(prepared, Vec::new());
-        if stages.has_complete_batches() || last_flush.elapsed() >= s.pipeline.flush_interval {
+        // One flush per interval, as a member does: few large inserts, whatever the
+        // batches do; a backlog half-way to the member's pause threshold cuts one early.
+        let backlog = stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets / 2;
+        if backlog || last_flush.elapsed() >= s.pipeline.flush_interval {
             flusher.send(stages.cut(CommitMode::Async)).await;
             last_flush = Instant::now();
         }

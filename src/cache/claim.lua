@@ -79,7 +79,7 @@ local function lost(why, detail)
 end
 
 -- A fresh sighting whose verdict depends on other partitions' chains (it would start
--- a chain): `blocked()` says whether some other partition is not ready, in which case
+-- a chain): `blocked(p)` says whether a partition other than `p` is not ready, in which case
 -- the claim waits ('W') and changes nothing.
 --
 -- Returns the verdict byte, or nil when it must wait.
@@ -108,7 +108,7 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
   end
   local cross = pinned
   if not pinned and not warm then
-    if blocked() then return nil end
+    if blocked(p) then return nil end
     for _, c in ipairs(chains) do
       local gap = clock - c.seen
       if gap < 0 then gap = -gap end
@@ -209,26 +209,29 @@ local function claim(keys, args)
     end
     return unready
   end
+  -- Whether a partition other than `p` is not ready. Defined once, not per claim: the
+  -- loop below runs for every click, and a closure per claim is garbage to collect.
+  local function blocked_for(p)
+    for _, q in ipairs(unready_list()) do
+      if q ~= p then return true end
+    end
+    return false
+  end
   local waiting = {}    -- partition -> true once one of its claims had to wait
   local out = {}
   for i = 0, #blob / CLAIM_SIZE - 1 do
     local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
     local pinned = mode % 2 == 1
     local warm = mode >= 2
-    local f = load(p)
+    local f = frontier[p]
+    if f == nil then f = load(p) end
     local key = keys[ki]
     local reread = o <= f
-    local function blocked()
-      for _, q in ipairs(unready_list()) do
-        if q ~= p then return true end
-      end
-      return false
-    end
     local verdict
     if waiting[p] then
       verdict = nil
     -- The common case first, in one scan of the hash: a click nobody has sighted.
-    elseif not reread and not pinned and (warm or not blocked())
+    elseif not reread and not pinned and (warm or not blocked_for(p))
         and call('HSETNX', key, field, pack_(CHAIN, p + COUNTED, o, clock)) == 1 then
       verdict = 'F'
     else
@@ -251,14 +254,14 @@ local function claim(keys, args)
         elseif pinned then
           call('HSET', key, field, pack_(CHAIN, p, o, clock))
           verdict = 'X'
-        elseif not warm and blocked() then
+        elseif not warm and blocked_for(p) then
           verdict = nil
         else
           call('HSET', key, field, pack_(CHAIN, p + COUNTED, o, clock))
           verdict = 'F'
         end
       else
-        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, warm, window, xkeys[p], blocked)
+        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, warm, window, xkeys[p], blocked_for)
       end
     end
     if verdict == nil then

@@ -54,7 +54,9 @@ impl Claimer {
             // claims, already handed over, must not be decided before that sighting (the
             // reader is rewound to it and claims them again under a new generation).
             let mut waiting: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
+            let mut clock = t::StageClock::new("claimer");
             while let Some(batch) = rx.recv().await {
+                clock.mark("idle");
                 let stale = |i: usize| {
                     let p = batch.claims[i].sighting.partition;
                     waiting.get(&p).is_some_and(|&g| batch.generations[i] <= g)
@@ -102,9 +104,11 @@ impl Claimer {
                         }
                     }
                 };
+                clock.mark("busy");
                 if answer_tx.send(answer).await.is_err() {
                     return;
                 }
+                clock.mark("blocked");
             }
         });
         (Claimer { tx, stop: handle_stop }, answers)

@@ -171,6 +171,7 @@ impl Member {
             holds: BTreeMap::new(),
             rewound: BTreeMap::new(),
             max_backoff: s.pipeline.max_backoff,
+            max_unflushed: s.pipeline.max_unflushed_buckets,
             shutdown: &shutdown,
             log_waits: RateLimiter::new(Duration::from_secs(5)),
             topic: &s.kafka.topic,

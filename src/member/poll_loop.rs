@@ -48,6 +48,8 @@ pub(super) struct Loop<'a> {
     /// Partitions paused after a rewind, and when they resume (`Loop::rewind`).
     pub(super) rewound: BTreeMap<i32, Instant>,
     pub(super) max_backoff: Duration,
+    /// `pipeline.max_unflushed_buckets`: consumption pauses there.
+    pub(super) max_unflushed: usize,
     pub(super) shutdown: &'a CancellationToken,
     pub(super) log_waits: RateLimiter,
     pub(super) topic: &'a str,
@@ -60,7 +62,7 @@ impl Loop<'_> {
         shutdown: &CancellationToken,
         fatal: &FatalSignal,
     ) -> Result<(), PipelineError> {
-        let max_unflushed = s.pipeline.max_unflushed_buckets;
+        let max_unflushed = self.max_unflushed;
         let mut chunks = self.consumer.stream().ready_chunks(s.pipeline.max_poll_records);
         let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -73,6 +75,7 @@ impl Loop<'_> {
         // those in flight are answered, then every partition starts over.
         let mut lost: Option<Lost> = None;
         let mut last_holds = Instant::now();
+        let mut clock = t::StageClock::new("loop");
 
         loop {
             if let Some(l) = self.consumer.context().lost_in_plan.lock().expect("not poisoned").take() {
@@ -84,11 +87,13 @@ impl Loop<'_> {
                 }
             }
             let paused = self.backpressure(max_unflushed).await?;
+            clock.mark("busy");
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
                 message = fatal.raised() => return Err(PipelineError::Fatal(message)),
                 answer = self.verdicts.recv(), if !in_flight.is_empty() => {
+                    clock.mark("waiting_for_claims");
                     let prepared = in_flight.pop_front().expect("checked");
                     metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
                     match answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))? {
@@ -108,6 +113,7 @@ impl Loop<'_> {
                 // Always armed: besides cutting flushes, the tick re-checks backpressure
                 // while consumption is paused and nothing else wakes the loop.
                 _ = ticker.tick() => {
+                    clock.mark("waiting_for_tick");
                     if self.flusher.has_room() {
                         let job = self.stages.lock().await.cut(CommitMode::Async);
                         self.flusher.send(job).await;
@@ -129,7 +135,9 @@ impl Loop<'_> {
                 // member in the group and serves rebalances through a long outage, and
                 // little arrives once consumption is paused.
                 chunk = chunks.next(), if (in_flight.len() < 2 || paused) && lost.is_none() => {
+                    clock.mark("waiting_for_kafka");
                     let Some(chunk) = chunk else { return Ok(()) };
+                    metrics::histogram!(t::POLL_BATCH_RECORDS).record(chunk.len() as f64);
                     let mut records = Vec::with_capacity(chunk.len());
                     for message in chunk {
                         match message {
@@ -258,8 +266,11 @@ impl Loop<'_> {
         for (p, from) in applied.rewinds {
             self.rewind(p, from).await?;
         }
+        // Flushes are cut by the ticker, one per `pipeline.flush_interval` for all
+        // partitions (one insert per table), whatever the batches do; only a backlog
+        // half-way to the pause threshold cuts one early, so memory stays bounded.
         let mut st = self.stages.lock().await;
-        if st.has_complete_batches() && self.flusher.has_room() {
+        if st.unflushed_buckets() >= self.max_unflushed / 2 && self.flusher.has_room() {
             let job = st.cut(CommitMode::Async);
             drop(st);
             self.flusher.send(job).await;

@@ -22,7 +22,8 @@ pub fn floor_day(t: u32) -> u32 {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct PartitionPosition {
     pub partition: i32,
-    /// The group's committed offset (a batch boundary behind durable rows).
+    /// The group's committed offset: the flushed position, everything before it durable
+    /// (a restart reads from the batch boundary at or below it).
     pub committed: Option<i64>,
     pub log_start: i64,
     pub log_end: i64,

@@ -76,6 +76,18 @@ async fn a_rebalance_planned_across_a_redis_restarted_empty_counts_exactly() {
     let mut a = env.spawn_member("a");
     let mut b = env.spawn_member("b");
     consumed_at_least(&b, 3_000).await;
+    // Both in the group, each with partitions: `a`'s go to `b` when it dies.
+    for m in [&a, &b] {
+        wait_until("partitions on both members", Duration::from_secs(120), || async {
+            let n = m.metric("clickagg_assigned_partitions", &[]).await;
+            if n > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{n} assigned"))
+            }
+        })
+        .await;
+    }
     stack.down("redis").await;
     // `b` takes over `a`'s partitions once `a`'s session (6 s) expired, and plans them
     // while Redis is down.

@@ -27,14 +27,21 @@ async fn hundred_thousand_clicks_with_ten_percent_duplicates_count_exactly() {
         equals(member.metric("clickagg_duplicates_dropped_total", &[]).await as u64, truth.duplicates)
     })
     .await;
-    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0, "SIGTERM drains and exits 0");
-
-    // Offsets were committed behind the flushes: batch boundaries, never past the log end.
+    // A caught-up member's commits are its flushed positions: the log end, as lag tools
+    // read them, within a flush interval or so (200 ms here) — not the start of each
+    // partition's open batch.
     let high = env.high_watermarks().await;
-    for (p, committed) in env.committed_offsets().await {
-        assert_eq!(committed % env.batch_offsets as i64, 0, "partition {p} committed {committed}");
-        assert!(committed <= high[&p] && committed > 0, "partition {p}: committed {committed}, high {}", high[&p]);
-    }
+    wait_until("commits at the log end while the member runs", Duration::from_secs(10), || async {
+        let committed = env.committed_offsets().await;
+        if committed == high {
+            Ok(())
+        } else {
+            Err(format!("committed {committed:?}, log end {high:?}"))
+        }
+    })
+    .await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0, "SIGTERM drains and exits 0");
+    assert_eq!(env.committed_offsets().await, high, "the drain moves no commit back");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,0 +1,82 @@
+"""sql/billing.sql and sql/billing_top.sql as an analyst runs them on a current
+ClickHouse: the file as it is, the values sent as server-side query parameters
+(`param_<name>`, what `clickhouse-client --param_...` does). Their answer must be
+byte for byte the answer to the SQL `clickagg query --print-sql` prints for the same
+arguments (the values written in client-side, the form clickagg itself sends).
+
+    python params_check.py CLICKAGG_BIN SERVER_URL DATABASE REPO -- QUERY_ARGS... [-- QUERY_ARGS...]...
+
+Prints one line per variant; exits 1 if any differs or fails.
+"""
+
+import re
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from datetime import datetime, timezone
+
+
+def post(url, database, sql, params):
+    q = {"database": database, "default_format": "RowBinary"}
+    q.update({f"param_{k}": v for k, v in params.items()})
+    req = urllib.request.Request(f"{url}/?{urllib.parse.urlencode(q)}", data=sql.encode(), method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.read()
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(e.read().decode("utf-8", "replace")[:600]) from None
+
+
+def literal_time(s):
+    """The server-side value of a `toDateTime(N, 'UTC')` literal."""
+    return datetime.fromtimestamp(int(s), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def params_of(printed, args):
+    table = re.search(r"FROM `(ad_clicks_[a-z]+)` FINAL", printed).group(1)
+    times = re.findall(r"toDateTime\((\d+), 'UTC'\)", printed)
+    by = args[args.index("--by") + 1] if "--by" in args else "minute"
+    ads = [args[i + 1] for i, a in enumerate(args) if a == "--ad"]
+    topic = args[args.index("--only-topic") + 1] if "--only-topic" in args else ""
+    params = {
+        "table": table, "time": table.rsplit("_", 1)[1], "from": literal_time(times[0]), "to": literal_time(times[1]),
+        "by": by, "all_ads": "0" if ads else "1", "ads": "[" + ",".join(ads) + "]", "topic": topic,
+    }
+    if "--top" in args:
+        params["top"] = args[args.index("--top") + 1]
+    return params
+
+
+def main():
+    binary, url, database, repo = sys.argv[1:5]
+    variants, current = [], None
+    for a in sys.argv[5:]:
+        if a == "--":
+            current = []
+            variants.append(current)
+        else:
+            current.append(a)
+    failed = 0
+    for args in variants:
+        printed = subprocess.run([binary, "query", "--print-sql", *args], check=True, capture_output=True,
+                                 text=True).stdout
+        params = params_of(printed, args)
+        path = f"{repo}/sql/billing_top.sql" if "top" in params else f"{repo}/sql/billing.sql"
+        try:
+            substituted = post(url, database, printed, {})
+            parameterised = post(url, database, open(path).read(), params)
+        except RuntimeError as e:
+            print(f"  FAILED  {' '.join(args)}: {e}")
+            failed += 1
+            continue
+        same = substituted == parameterised
+        failed += not same
+        print(f"  {'same  ' if same else 'DIFFERS'}  {path.rsplit('/', 1)[1]} {' '.join(args)} "
+              f"({len(substituted)} bytes)")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
