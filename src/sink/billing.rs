@@ -8,14 +8,14 @@
 //! and escaped strings ([`substitute`]). Both files read through `FINAL`: a row
 //! replaced by a later version is never summed twice. A read takes the whole days and
 //! hours of its range that are sealed and current from the sealed tables and the rest
-//! from the minute rows (`seal::split`), so it equals the minute rows alone.
+//! from the minute rows (`sealing::split`), so it equals the minute rows alone.
 
 use clickhouse::Row;
 use serde::Deserialize;
 
 use super::{quote_ident, quote_literal, Sink, SinkError};
 use crate::aggregate::Grain;
-use crate::seal::split::{split, Split};
+use crate::sealing::split::{split, Split};
 
 pub const BILLING_SQL: &str = include_str!("../../sql/billing.sql");
 pub const BILLING_TOP_SQL: &str = include_str!("../../sql/billing_top.sql");

@@ -65,7 +65,7 @@ pub struct Sink {
     /// The cluster the tables live on (`clickhouse.cluster`), for the DDL.
     cluster: Option<String>,
     /// `seal.slack` in seconds: how close to a seal a marker makes billing reads take
-    /// that hour from the minute rows (`seal::split`).
+    /// that hour from the minute rows (`sealing::split`).
     seal_slack: u32,
 }
 
