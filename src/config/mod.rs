@@ -35,6 +35,7 @@ pub struct Settings {
     pub pipeline: PipelineSettings,
     pub validation: ValidationSettings,
     pub dead_letter: DeadLetterSettings,
+    pub seal: SealSettings,
     pub http: HttpSettings,
     pub log: LogSettings,
 }
@@ -361,6 +362,32 @@ pub struct DeadLetterSettings {
 impl Default for DeadLetterSettings {
     fn default() -> Self {
         DeadLetterSettings { enabled: true, topic: None }
+    }
+}
+
+/// The sealer (README, "Sealed hours"): one member of the group at a time compacts the
+/// minute rows of settled hours into sealed hours and days.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SealSettings {
+    /// Whether members run the sealer (one at a time, through a lease in Redis).
+    /// `clickagg seal` seals either way.
+    pub enabled: bool,
+    /// How often a member checks for hours to seal and re-seal.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// The longest a write's touched-hour marker may take from its server time to being
+    /// readable (an INSERT's duration, a quorum wait) plus the clock skew between
+    /// ClickHouse servers. Markers are scanned this far back, and a sealed hour with a
+    /// marker this close to its seal is read from the minute rows. Larger only costs
+    /// re-seals; smaller than the real delay could leave a late click out of a seal.
+    #[serde(with = "humantime_serde")]
+    pub slack: Duration,
+}
+
+impl Default for SealSettings {
+    fn default() -> Self {
+        SealSettings { enabled: true, interval: Duration::from_secs(30), slack: Duration::from_secs(60) }
     }
 }
 
