@@ -8,6 +8,7 @@
 //! - [`config`]: typed settings (defaults < TOML < `CLICKAGG__…` env < flags), secrets.
 //! - [`telemetry`]: logs, metric names, the log rate limiter.
 //! - [`click`]: the click event, its newtypes, and the decode/validate rules.
+//! - [`schema_registry`]: the Avro and Protobuf schemas by ID, fetched once and kept.
 //! - [`source`]: Kafka client settings, consumed records, topic and offset look-ups.
 //! - [`dead_letter`]: rejected records to the dead-letter topic, with reason headers.
 //! - [`dedup`]: which clicks count (the definition), the Redis cache of that state and
@@ -46,6 +47,7 @@ pub mod query;
 pub mod reconcile;
 pub mod replay;
 pub mod retry;
+pub mod schema_registry;
 pub mod secrets;
 pub mod server;
 pub mod sink;

@@ -67,6 +67,10 @@ pub const REDIS_RETRIES: &str = "clickagg_redis_retries_total";
 pub const CLICKHOUSE_ERRORS: &str = "clickagg_clickhouse_errors_total";
 pub const CLICKHOUSE_RETRIES: &str = "clickagg_clickhouse_retries_total";
 pub const KAFKA_ERRORS: &str = "clickagg_kafka_errors_total";
+/// Schema registry requests that failed (an outage: retried, never a dead letter).
+pub const SCHEMA_REGISTRY_ERRORS: &str = "clickagg_schema_registry_errors_total";
+/// Schema IDs the registry answered (each once per process).
+pub const SCHEMAS_FETCHED: &str = "clickagg_schemas_fetched_total";
 /// The `op` label values of [`KAFKA_ERRORS`]: what the member was doing with Kafka.
 pub const KAFKA_OPS: [&str; 4] = ["client", "consume", "commit", "dead_letter"];
 pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
