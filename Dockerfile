@@ -29,6 +29,11 @@ RUN mkdir src \
 # (assets/status.html). The touch matters: COPY keeps the files' old
 # modification times, which can be older than the placeholder build, and cargo would
 # then keep the placeholder binary.
+# build.rs labels clickagg_build_info with the rustc version, and with the commit when
+# given one: the context has no .git (`docker build --build-arg CLICKAGG_GIT_SHA=$(git
+# rev-parse HEAD) .`); without it the metric carries the version alone.
+ARG CLICKAGG_GIT_SHA=""
+COPY build.rs ./
 COPY src src
 COPY sql sql
 COPY assets assets

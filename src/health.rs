@@ -1,13 +1,16 @@
 //! How a member is doing, as flags every stage sets where it learns something: Redis
-//! and ClickHouse answering, claims failing and why, partitions assigned, and the
-//! status board (`status::board`). The HTTP server (`server`) reads them back for
-//! `/readyz` and the status page.
+//! and ClickHouse answering, claims failing and why, and the status board
+//! (`status::board`). The HTTP server (`server`) reads them back for `/readyz` and the
+//! status page.
 //!
-//! Ready means: partitions assigned, and Redis and ClickHouse answered their last
-//! check. The pipeline flips the Redis and ClickHouse flags on every success and error
-//! it sees; a probe re-checks both every few seconds so an idle member notices too.
+//! Ready means the member can make progress: Redis and ClickHouse answered their last
+//! check and Redis accepts its claims. Owning partitions is no part of it: a member
+//! without any (more members than partitions, a surge pod of a rolling update, between
+//! rebalances) is a ready standby; the status page shows what it owns. The pipeline
+//! flips the Redis and ClickHouse flags on every success and error it sees; a probe
+//! re-checks both every few seconds so an idle member notices too.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::status::board::StatusBoard;
@@ -16,7 +19,6 @@ use crate::status::board::StatusBoard;
 /// the probe and the HTTP server.
 #[derive(Debug, Default)]
 pub struct Health {
-    assigned_partitions: AtomicUsize,
     redis_ok: AtomicBool,
     /// Why claims fail right now ([`RedisTrouble`] as u8, 0 while they succeed). Kept
     /// apart from `redis_ok`, which the probe's PING sets: a Redis out of memory or
@@ -82,10 +84,6 @@ impl Health {
         Arc::new(Health::default())
     }
 
-    pub fn set_assigned(&self, n: usize) {
-        self.assigned_partitions.store(n, Ordering::Relaxed);
-    }
-
     pub fn set_redis(&self, ok: bool) {
         self.redis_ok.store(ok, Ordering::Relaxed);
     }
@@ -119,9 +117,6 @@ impl Health {
     /// `Ok` when ready, otherwise the reasons it is not.
     pub fn readiness(&self) -> Result<(), Vec<&'static str>> {
         let mut not = Vec::new();
-        if self.assigned_partitions.load(Ordering::Relaxed) == 0 {
-            not.push("no partitions assigned");
-        }
         match self.claims_failing() {
             Some(trouble) => not.push(trouble.reason()),
             None if !self.redis_ok.load(Ordering::Relaxed) => not.push(RedisTrouble::Unreachable.reason()),
@@ -138,5 +133,24 @@ impl Health {
         } else {
             Err(not)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ready_is_redis_and_clickhouse_answering_and_claims_accepted_with_or_without_partitions() {
+        let h = Health::default();
+        assert_eq!(h.readiness(), Err(vec!["redis unreachable", "clickhouse unreachable"]), "nothing checked yet");
+        h.set_redis(true);
+        h.set_clickhouse(true);
+        assert_eq!(h.readiness(), Ok(()), "a member that owns no partition is a ready standby");
+        h.set_claims_failing(Some(RedisTrouble::OutOfMemory));
+        assert_eq!(h.readiness(), Err(vec![RedisTrouble::OutOfMemory.reason()]), "PING answers, claims do not");
+        h.set_claims_failing(None);
+        h.set_clickhouse(false);
+        assert_eq!(h.readiness(), Err(vec!["clickhouse unreachable"]));
     }
 }

@@ -3,29 +3,23 @@
 //!
 //! # Layout
 //!
-//! In pipeline order:
+//! Bottom-up; a module imports only modules below it (`ARCHITECTURE.md`, "Layers"):
 //!
-//! - [`config`]: typed settings (defaults < TOML < `CLICKAGG__…` env < flags), secrets.
-//! - [`telemetry`]: logs, metric names, the log rate limiter.
-//! - [`click`]: the click event, its newtypes, and the decode/validate rules.
-//! - [`schema_registry`]: the Avro and Protobuf schemas by ID, fetched once and kept.
-//! - [`source`]: Kafka client settings, consumed records, topic and offset look-ups.
-//! - [`dead_letter`]: rejected records to the dead-letter topic, with reason headers.
-//! - [`dedup`]: which clicks count (the definition), the Redis cache of that state and
-//!   the private state a reader rebuilds from the log.
-//! - [`position`]: where a reader starts a partition: a batch boundary, after a warm-up.
-//! - [`aggregate`]: pure per-partition, offset-aligned batches of counts → flushes.
-//! - [`sink`]: ClickHouse migrations, the idempotent insert, billing reads.
-//! - [`pipeline`]: the stages' state and what they do to a poll batch.
-//! - [`member`]: the consumer-group loop, rebalance callbacks and the drain.
-//! - [`health`]: `/metrics`, `/livez`, `/readyz` and the status page `/` on `http.addr`.
-//! - [`status`]: what a member reports about itself (`/status.json`) and the group view
-//!   of `clickagg status`.
-//! - [`replay`]: backfill by re-reading a range of the topic through the same stages.
-//! - [`query`]: billing counts per ad and minute, hour or day, read through `FINAL`.
-//! - [`reconcile`]: an independent recount of the topic, diffed against ClickHouse.
-//! - [`produce`], [`verify`]: the seeded load generator with its ground truth, and the diff.
-//! - [`cli`], [`commands`]: flags and one function per subcommand.
+//! - [`click`], [`retry`], [`secrets`]: the click event and its rules; waiting out a
+//!   failing service (transient → retry with backoff, fatal → stop); values that never print.
+//! - [`dedup`], [`aggregate`]: which clicks count (the definition, record clocks, pure
+//!   decisions, the private state a reader rebuilds from the log); offset-aligned batches.
+//! - [`config`], [`position`]: typed settings; where a reader starts a partition.
+//! - [`source`], [`schema_registry`], [`sink`], [`cache`], [`dead_letter`], [`telemetry`],
+//!   [`status`], [`health`]: Kafka, the Avro and Protobuf schemas by ID (fetched once and
+//!   kept), ClickHouse, the Redis cache of dedup state, the dead-letter topic, logs and
+//!   metrics, what a member reports and the flags readiness is made of.
+//! - [`pipeline`]: the stages' state and what they do to a poll batch (no I/O).
+//! - [`planner`], [`flusher`]: the look-ups that decide where readers start; durable
+//!   writes, then commits.
+//! - [`member`], [`replay`], [`reconcile`], [`query`], [`server`], [`produce`],
+//!   [`verify`]: the processes and what they serve.
+//! - [`commands`]: the flags and one function per subcommand.
 //!
 //! `ARCHITECTURE.md` draws the stages and says which steps are safe to replay.
 

@@ -333,7 +333,6 @@ impl Stages {
     }
 
     fn publish_assignment(&self) {
-        self.health.set_assigned(self.readers.len());
         metrics::gauge!(t::ASSIGNED_PARTITIONS).set(self.readers.len() as f64);
     }
 
@@ -421,7 +420,7 @@ impl Stages {
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
     /// the claims), then the aggregator. Returns the partitions that stop trusting the
-    /// cache; the caller falls them back to private state (`fall_back_to_private`).
+    /// cache; the caller falls them back to private state (`Planner::fall_back`).
     pub fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> Applied {
         let Prepared { mut items, claimed, .. } = prepared;
         let mut distrusted: BTreeMap<i32, (Distrust, u64)> = BTreeMap::new();

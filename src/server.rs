@@ -63,8 +63,9 @@ async fn readyz(State(s): State<AppState>) -> (StatusCode, String) {
 }
 
 async fn metrics_text(State(s): State<AppState>) -> String {
-    // Computed when scraped, so it is never older than the scrape.
+    // Computed when scraped, so they are never older than the scrape.
     metrics::gauge!(t::READY).set(if s.health.readiness().is_ok() { 1.0 } else { 0.0 });
+    t::collect_process_metrics();
     s.metrics.render()
 }
 

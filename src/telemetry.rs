@@ -83,6 +83,85 @@ pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
 pub const STAGE_TIME: &str = "clickagg_stage_microseconds_total";
 /// Records per poll batch the loop takes in (each is one claim call per key group).
 pub const POLL_BATCH_RECORDS: &str = "clickagg_poll_batch_records";
+/// 1, labelled with what was built: `version`, and `git_sha`, `rustc` where known.
+pub const BUILD_INFO: &str = "clickagg_build_info";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Every metric clickagg exports, with the `# HELP` text `/metrics` gives it: one place,
+/// so a new metric without a description fails the test below.
+const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
+    (RECORDS_CONSUMED, Kind::Counter, "Records read from the click topic and taken into the pipeline."),
+    (CLICKS_COUNTED, Kind::Counter, "Clicks counted: valid and not a duplicate within the dedup window."),
+    (DUPLICATES_DROPPED, Kind::Counter, "Valid clicks not counted: a record with the same click ID came within the dedup window before."),
+    (REDELIVERIES, Kind::Counter, "Clicks read again (after a crash or rebalance) that count as they did the first time: the same sighting, not a duplicate."),
+    (INVALID_RECORDS, Kind::Counter, "Records rejected, by reason (the dead-letter reason)."),
+    (DEAD_LETTERS, Kind::Counter, "Dead letters the broker acknowledged, by the rejection reason of their record."),
+    (WARMUP_RECORDS, Kind::Counter, "Records read before a partition's batch boundary to rebuild its dedup state, not counted."),
+    (CROSS_PARTITION_DUPLICATES, Kind::Counter, "Clicks not counted because a copy on another partition was counted first."),
+    (RECORD_LAG, Kind::Gauge, "Seconds the partition's record time lags the wall clock, at the last poll batch."),
+    (DEDUP_REBUILDS, Kind::Counter, "Partitions whose dedup state was rebuilt from the log, by reason (undecidable re-read, cache lost)."),
+    (DEDUP_SWEPT, Kind::Counter, "Dedup cache entries the sweeper deleted once past the dedup window and dedup.max_record_lag."),
+    (DEDUP_WAITS, Kind::Counter, "Poll batches claimed again after waiting for other partitions' dedup state to be rebuilt."),
+    (DEDUP_HELD_PARTITIONS, Kind::Gauge, "Partitions this member reads that lag enough that the sweeper keeps their sightings."),
+    (FLUSH_DURATION, Kind::Histogram, "Seconds a flush took to make its rows durable in ClickHouse."),
+    (FRESHNESS, Kind::Histogram, "Seconds from a counted click's record timestamp until its count was durable in ClickHouse."),
+    (LAST_FLUSH, Kind::Gauge, "Unix time of the last durable flush that covered the partition."),
+    (READY, Kind::Gauge, "1 when /readyz answers 200: Redis and ClickHouse reachable and claims accepted."),
+    (FLUSHES, Kind::Counter, "Flushes made durable in ClickHouse."),
+    (ROWS_FLUSHED, Kind::Counter, "Count rows written to ClickHouse (minute, hour and day tables)."),
+    (COMMITTED_OFFSET, Kind::Gauge, "The offset this member last committed for the partition (a batch boundary)."),
+    (CONSUMER_LAG, Kind::Gauge, "Records between the partition's committed offset and its log end (librdkafka's statistics)."),
+    (REBALANCES, Kind::Counter, "Rebalance callbacks, by kind (assign, revoke)."),
+    (ASSIGNED_PARTITIONS, Kind::Gauge, "Partitions this member owns; 0 for a standby."),
+    (REDIS_ERRORS, Kind::Counter, "Failed Redis claim requests, by kind (unreachable, out_of_memory, read_only, rebuilding)."),
+    (REDIS_RETRIES, Kind::Counter, "Redis claim requests retried after an error."),
+    (CLICKHOUSE_ERRORS, Kind::Counter, "Failed ClickHouse flush attempts."),
+    (CLICKHOUSE_RETRIES, Kind::Counter, "ClickHouse flush attempts retried after a transient error."),
+    (KAFKA_ERRORS, Kind::Counter, "Kafka errors, by what the member was doing (client, consume, commit, dead_letter)."),
+    (BUCKETS_HELD, Kind::Gauge, "Changed count buckets held in memory until a flush makes them durable."),
+    (PAUSED, Kind::Gauge, "1 while consumption is paused (Redis refusing claims, or too many unflushed buckets)."),
+    (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
+    (STAGE_TIME, Kind::Counter, "Microseconds each task (stage: loop, claimer, flusher) spent per state (busy, or what it waited for)."),
+    (POLL_BATCH_RECORDS, Kind::Histogram, "Records per poll batch the loop takes in."),
+    (BUILD_INFO, Kind::Gauge, "Always 1; the labels say which clickagg runs: version, git_sha and rustc where known."),
+];
+
+/// Gives every metric its `# HELP` text and sets [`BUILD_INFO`]; once, after the
+/// recorder is installed.
+fn describe() {
+    for &(name, kind, help) in DESCRIPTIONS {
+        match kind {
+            Kind::Counter => metrics::describe_counter!(name, help),
+            Kind::Gauge => metrics::describe_gauge!(name, help),
+            Kind::Histogram => metrics::describe_histogram!(name, help),
+        }
+    }
+    process_collector().describe();
+    let mut labels = vec![("version", env!("CARGO_PKG_VERSION"))];
+    labels.extend(option_env!("CLICKAGG_BUILD_GIT_SHA").map(|sha| ("git_sha", sha)));
+    labels.extend(option_env!("CLICKAGG_BUILD_RUSTC").map(|v| ("rustc", v)));
+    let labels: Vec<metrics::Label> = labels.into_iter().map(|(k, v)| metrics::Label::new(k, v)).collect();
+    metrics::gauge!(BUILD_INFO, labels).set(1.0);
+}
+
+/// The standard process metrics (`process_cpu_seconds_total`, `process_resident_memory_bytes`,
+/// `process_open_fds`, `process_start_time_seconds`, …), read from the OS.
+fn process_collector() -> &'static metrics_process::Collector {
+    static COLLECTOR: OnceLock<metrics_process::Collector> = OnceLock::new();
+    COLLECTOR.get_or_init(metrics_process::Collector::default)
+}
+
+/// Reads the process metrics now: called when `/metrics` is scraped, so they are never
+/// older than the scrape.
+pub fn collect_process_metrics() {
+    process_collector().collect();
+}
 
 /// Explicit flush-duration buckets, seconds: a healthy flush takes milliseconds, a
 /// struggling server seconds.
@@ -96,11 +175,12 @@ const POLL_BATCH_BUCKETS: &[f64] = &[1.0, 10.0, 100.0, 500.0, 1000.0, 2000.0, 50
 
 static PROMETHEUS: OnceLock<PrometheusHandle> = OnceLock::new();
 
-/// Installs the Prometheus recorder once per process and returns its handle.
+/// Installs the Prometheus recorder once per process, describes every metric, and
+/// returns its handle.
 pub fn metrics() -> PrometheusHandle {
     PROMETHEUS
         .get_or_init(|| {
-            PrometheusBuilder::new()
+            let handle = PrometheusBuilder::new()
                 .set_buckets_for_metric(Matcher::Full(FLUSH_DURATION.to_string()), FLUSH_BUCKETS)
                 .expect("buckets are not empty")
                 .set_buckets_for_metric(Matcher::Full(FRESHNESS.to_string()), FRESHNESS_BUCKETS)
@@ -108,7 +188,9 @@ pub fn metrics() -> PrometheusHandle {
                 .set_buckets_for_metric(Matcher::Full(POLL_BATCH_RECORDS.to_string()), POLL_BATCH_BUCKETS)
                 .expect("buckets are not empty")
                 .install_recorder()
-                .expect("the Prometheus recorder is installed once")
+                .expect("the Prometheus recorder is installed once");
+            describe();
+            handle
         })
         .clone()
 }
@@ -159,6 +241,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         metrics::counter!(REDIS_ERRORS, "kind" => kind).absolute(0);
     }
     metrics::gauge!(PAUSED).set(0.0);
+    // A standby (more members than partitions) is never assigned any: 0, not "no data".
+    metrics::gauge!(ASSIGNED_PARTITIONS).set(0.0);
     metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);
     metrics::gauge!(READY).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);
@@ -248,6 +332,24 @@ mod tests {
         assert!((age - 0.2).abs() < 1e-6, "{age}");
         assert_eq!(tenth_of_millis(-1), None, "before the epoch: no age");
         assert_eq!(age_seconds(1_000.0, 10_050), 0.0, "a producer clock ahead is not negative");
+    }
+
+    #[test]
+    fn every_metric_name_of_this_module_has_a_description() {
+        // The names are the `pub const NAME: &str = "clickagg_…";` items above.
+        let source = include_str!("telemetry.rs");
+        let names: Vec<&str> = source
+            .lines()
+            .filter(|l| l.starts_with("pub const ") && l.contains(": &str = \"clickagg_"))
+            .filter_map(|l| l.split('"').nth(1))
+            .collect();
+        assert!(names.len() >= 30, "{names:?}");
+        for name in &names {
+            let described: Vec<_> = DESCRIPTIONS.iter().filter(|(n, _, _)| n == name).collect();
+            assert_eq!(described.len(), 1, "{name}: described {} times", described.len());
+            assert!(described[0].2.ends_with('.'), "{name}: a sentence");
+        }
+        assert_eq!(DESCRIPTIONS.len(), names.len(), "a description of a name that is not a constant here");
     }
 
     #[test]

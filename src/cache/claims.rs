@@ -1,7 +1,8 @@
 //! Claims: one `FCALL` per key group per poll batch (`mod.rs`), the frontiers they leave,
 //! and a reader's restart of a partition after a warm-up.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
 use std::sync::atomic::Ordering;
 
 use futures_util::future::join_all;
@@ -35,17 +36,18 @@ impl SharedCache {
         let mut partitions: Vec<i32> = members.iter().map(|&i| claims[i].sighting.partition).collect();
         partitions.sort_unstable();
         partitions.dedup();
-        let mut keys = vec![self.ns_key(group), self.frontier_key(group)];
-        keys.extend(partitions.iter().map(|&p| self.x_key(group, p)));
-        // A u32 index: a poll batch may touch more shard hashes than a u16 counts.
-        let mut index: BTreeMap<u32, u32> = BTreeMap::new();
+        // The shard hashes in order of first use; a claim names its hash by index into
+        // KEYS (u32: a poll batch may touch more shard hashes than a u16 counts).
+        let fixed = 2 + partitions.len() as u32;
+        let mut index: HashMap<u32, u32> = HashMap::with_capacity(members.len());
+        let mut shards: Vec<u32> = Vec::with_capacity(members.len());
         let mut blob = Vec::with_capacity(members.len() * CLAIM_SIZE);
         for &i in members {
             let c = &claims[i];
             let shard = c.fingerprint.shard(self.shards);
             let ki = *index.entry(shard).or_insert_with(|| {
-                keys.push(self.shard_key(shard));
-                keys.len() as u32
+                shards.push(shard);
+                fixed + shards.len() as u32
             });
             let s = c.sighting;
             blob.extend_from_slice(&ki.to_be_bytes());
@@ -55,12 +57,25 @@ impl SharedCache {
             blob.extend_from_slice(&s.clock.to_be_bytes());
             blob.push(u8::from(c.mode.pin.is_some()) | u8::from(c.mode.warm) << 1);
         }
-        let named: Vec<String> = partitions.iter().map(i32::to_string).collect();
+        // The namespace and the key prefix once per call, and one buffer for every shard
+        // key: this runs for every click.
+        let ns = self.namespace();
+        let prefix = self.data_prefix(group, &ns);
         let mut cmd = redis::cmd("FCALL");
-        cmd.arg(&self.functions.claim)
-            .arg(keys.len())
-            .arg(&keys)
-            .arg(self.namespace())
+        cmd.arg(&self.functions.claim).arg(fixed as usize + shards.len());
+        cmd.arg(self.ns_key(group)).arg(format!("{prefix}frontier"));
+        for p in &partitions {
+            cmd.arg(format!("{prefix}x:{p}"));
+        }
+        let mut key = String::with_capacity(prefix.len() + 8);
+        for shard in shards {
+            key.clear();
+            key.push_str(&prefix);
+            let _ = write!(key, "s:{shard:06x}");
+            cmd.arg(key.as_str());
+        }
+        let named: Vec<String> = partitions.iter().map(i32::to_string).collect();
+        cmd.arg(&ns)
             .arg(self.window)
             .arg(blob)
             .arg(named.join(","))

@@ -20,7 +20,7 @@ pub enum DedupError {
     /// The cache no longer holds what this member relied on: its data is gone (a Redis
     /// restarted without persistence, a failover to an empty replica, FLUSHALL, keys
     /// deleted), another member moved it to a new namespace, or it lost writes this
-    /// member saw acknowledged. Nothing was decided; [`SharedCache::recover`] says what
+    /// member saw acknowledged. Nothing was decided; [`SharedCache::recover`](super::SharedCache::recover) says what
     /// to do.
     #[error("the dedup cache lost what this member relied on ({0})")]
     Lost(Lost),

@@ -29,13 +29,15 @@ pub enum Command {
     Run,
     /// Generate seeded click events into the topic and write the ground truth.
     Produce(ProduceArgs),
-    /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 only on an exact match.
+    /// Compare billing counts in ClickHouse with a ground-truth file; exit 0 on an exact
+    /// match, 4 when the counts differ, 1 when it could not compare.
     Verify(VerifyArgs),
     /// Billing counts from ClickHouse per ad and minute, hour or day, exact (read through FINAL).
     Query(crate::query::QueryArgs),
     /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
     Replay(crate::replay::ReplayArgs),
-    /// Recount distinct clicks from the topic for a time range and diff against ClickHouse.
+    /// Recount distinct clicks from the topic for a time range and diff against ClickHouse;
+    /// exit 0 on an exact match, 4 when the counts differ, 1 when it could not compare.
     Reconcile(crate::reconcile::ReconcileArgs),
     /// The consumer group from Kafka and ClickHouse: each partition's owner, lag and last
     /// durable flush; exit 4 when a partition stalled.
@@ -163,9 +165,11 @@ pub struct ProduceArgs {
     /// Partitions to create the topic with, if it does not exist.
     #[arg(long, default_value_t = 4)]
     pub partitions: i32,
-    /// Random seed: the same seed gives the same records.
-    #[arg(long, default_value_t = 42)]
-    pub seed: u64,
+    /// Random seed: the same seed gives the same records. Without it a fresh seed is
+    /// drawn (and printed): a run repeated within the dedup window with the same seed
+    /// sends the same click IDs, which count once.
+    #[arg(long)]
+    pub seed: Option<u64>,
     /// Event-time span the records cover, e.g. 10m.
     #[arg(long, default_value = "10m")]
     pub span: humantime::Duration,
@@ -190,6 +194,11 @@ pub struct ProduceArgs {
     /// source.schema_files reads); a file already there must hold the same schema.
     #[arg(long, value_name = "DIR")]
     pub schema_dir: Option<PathBuf>,
+    /// Add this run's counts to those already in --truth (if it exists), once every
+    /// record is sent, instead of replacing them: for a topic that several runs write
+    /// to, whose whole count `verify` then checks (the Docker Compose demo).
+    #[arg(long)]
+    pub add_to_truth: bool,
 }
 
 #[derive(Debug, Args, Clone, Default)]

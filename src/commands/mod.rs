@@ -25,8 +25,16 @@ use crate::telemetry;
 use crate::verify;
 use cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
 
-/// Exit code when the drain timeout passed before everything was flushed.
+// Exit codes, the same for every command (README, "Exit codes"): 0 done; 1 could not
+// run or stopped on an error (a service unreachable or refusing, a file unreadable);
+// 2 a bad setting or flag (`main`, and clap's own usage errors).
+
+/// `run`: the drain timeout passed before everything was flushed.
 pub const EXIT_DRAIN_TIMEOUT: u8 = 3;
+/// A check ran and found a problem: `verify` and `reconcile` counts that differ,
+/// `status` a stalled partition. Apart from 1, so that a script can tell a wrong count
+/// from a check that could not run.
+pub const EXIT_CHECK_FAILED: u8 = 4;
 
 pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> {
     match command {
@@ -124,9 +132,16 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
             bail!("--{name}-ratio must be between 0 and 1");
         }
     }
+    let seed = a.seed.unwrap_or_else(rand::random);
+    // Read first: a truth file that cannot be added to stops the run before it sends.
+    let earlier = if a.add_to_truth && a.truth.exists() {
+        Some(Truth::read_csv(&a.truth).map_err(anyhow::Error::msg)?)
+    } else {
+        None
+    };
     let spec = Spec {
         count: a.count,
-        seed: a.seed,
+        seed,
         ads: a.ads,
         zipf_exponent: a.zipf_exponent,
         duplicate_ratio: a.duplicate_ratio,
@@ -149,13 +164,26 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
             .with_context(|| format!("writing the schema to {}", dir.display()))?;
     }
     let (records, truth) = produce::plan(&spec);
-    truth.write_csv(&a.truth).with_context(|| format!("writing {}", a.truth.display()))?;
+    let write_truth =
+        |truth: &Truth| truth.write_csv(&a.truth).with_context(|| format!("writing {}", a.truth.display()));
+    if !a.add_to_truth {
+        write_truth(&truth)?;
+    }
+    println!("seed {seed} (--seed {seed} sends the same records again)");
     let started = Instant::now();
     let bar = progress_bar(records.len() as u64, "producing");
     produce::send(&s.kafka, &s.kafka.topic, a.partitions, &records, Some(a.rate), |n| bar.set_position(n))
         .await
         .context("producing click events")?;
     bar.finish_and_clear();
+    if a.add_to_truth {
+        // Only once every record is in the topic: the file then always describes it.
+        let mut total = truth.clone();
+        for (bucket, clicks) in earlier.into_iter().flatten() {
+            *total.counts.entry(bucket).or_default() += clicks;
+        }
+        write_truth(&total)?;
+    }
     let secs = started.elapsed().as_secs_f64();
     println!(
         "sent {} records to {} in {:.1}s ({:.0}/s): {}",
@@ -165,7 +193,8 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         records.len() as f64 / secs,
         truth.summary()
     );
-    println!("ground truth: {}", a.truth.display());
+    let added = if a.add_to_truth { " (this run's counts added to what it held)" } else { "" };
+    println!("ground truth: {}{added}", a.truth.display());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -182,7 +211,7 @@ async fn verify(s: &Settings, a: VerifyArgs) -> Result<ExitCode> {
     }
     let d = verify::diff(&expected, &actual);
     print!("{}", d.report(20));
-    Ok(if d.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(check(d.is_exact()))
 }
 
 async fn replay(s: &Settings, a: ReplayArgs) -> Result<ExitCode> {
@@ -197,7 +226,16 @@ async fn replay(s: &Settings, a: ReplayArgs) -> Result<ExitCode> {
 async fn reconcile(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
     let report = crate::reconcile::reconcile(s, &a).await?;
     print!("{}", report.render(a.limit));
-    Ok(if report.diff.is_exact() { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(check(report.diff.is_exact()))
+}
+
+/// The exit code of a check that ran: 0 when it passed, [`EXIT_CHECK_FAILED`] otherwise.
+fn check(passed: bool) -> ExitCode {
+    if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(EXIT_CHECK_FAILED)
+    }
 }
 
 /// A progress bar on a terminal; hidden otherwise (logs carry progress there).

@@ -9,6 +9,7 @@
 //! is built by that type from its section.
 
 mod kafka;
+pub mod secret_files;
 mod validate;
 
 use std::net::SocketAddr;
@@ -498,34 +499,45 @@ pub enum ConfigError {
 pub type Override = (&'static str, figment::value::Value);
 
 impl Settings {
-    /// Layers defaults < file < environment < flags and validates the result.
+    /// Layers defaults < file < environment < flags and validates the result. A secret
+    /// setting may come from the file a `<VAR>_FILE` variable names ([`secret_files`]).
     pub fn load(file: Option<&Path>, overrides: Vec<Override>) -> Result<Settings, ConfigError> {
-        Self::load_layers(file, overrides, Env::prefixed("CLICKAGG__").split("__"))
+        let env = || Env::prefixed("CLICKAGG__").split("__");
+        let vars: Vec<(String, String)> = env().iter().map(|(k, v)| (k.as_str().to_string(), v)).collect();
+        let from_files = secret_files::read(&vars)?;
+        Self::load_layers(file, overrides, env().filter(|k| !secret_files::is_file_key(k.as_str())), from_files)
     }
 
     /// Like [`load`](Self::load), reading `CLICKAGG__…` variables from `vars` instead of
-    /// the process environment (tests, and checks of deployment files).
+    /// the process environment (tests, and checks of deployment files). `<VAR>_FILE`
+    /// variables read their files as `load` does.
     pub fn load_with_vars<'a>(
         file: Option<&Path>,
         overrides: Vec<Override>,
         vars: impl IntoIterator<Item = (&'a str, &'a str)>,
     ) -> Result<Settings, ConfigError> {
+        let vars: Vec<(String, String)> = vars
+            .into_iter()
+            .filter_map(|(k, v)| {
+                let rest = k.strip_prefix("CLICKAGG__")?;
+                Some((rest.to_ascii_lowercase().replace("__", "."), v.to_string()))
+            })
+            .collect();
+        let from_files = secret_files::read(&vars)?;
         let mut env = Figment::new();
-        for (k, v) in vars {
-            if let Some(rest) = k.strip_prefix("CLICKAGG__") {
-                let key = rest.to_ascii_lowercase().replace("__", ".");
-                // Parsed the way figment's `Env` parses values (numbers, booleans, strings).
-                let value: figment::value::Value = v.parse().expect("infallible");
-                env = env.merge(Serialized::default(&key, value));
-            }
+        for (key, v) in vars.iter().filter(|(k, _)| !secret_files::is_file_key(k)) {
+            // Parsed the way figment's `Env` parses values (numbers, booleans, strings).
+            let value: figment::value::Value = v.parse().expect("infallible");
+            env = env.merge(Serialized::default(key, value));
         }
-        Self::load_layers(file, overrides, env)
+        Self::load_layers(file, overrides, env, from_files)
     }
 
     fn load_layers(
         file: Option<&Path>,
         overrides: Vec<Override>,
         env: impl figment::Provider,
+        from_files: Vec<(&'static str, figment::value::Value)>,
     ) -> Result<Settings, ConfigError> {
         // Every struct is `#[serde(default)]`, so an empty figment yields the defaults.
         let mut figment = Figment::new();
@@ -536,6 +548,11 @@ impl Settings {
             figment = figment.merge(Toml::file_exact(path));
         }
         figment = figment.merge(env);
+        // At the environment's precedence: a key is set by its variable or its file,
+        // never both (`secret_files::read` refuses that).
+        for (key, value) in from_files {
+            figment = figment.merge(Serialized::default(key, value));
+        }
         for (key, value) in overrides {
             figment = figment.merge(Serialized::default(key, value));
         }

@@ -49,7 +49,7 @@ const UNCLASSIFIED: &str = "clickagg does not know this error code to be tempora
 /// Every ClickHouse error code clickagg's requests (row and pin INSERTs, billing and
 /// registry SELECTs, the migrations) can meet, and what to do about it. One table, so
 /// that no error is retried forever by accident: a code that is not listed is fatal
-/// ([`UNCLASSIFIED`]). Transient means an outage of the server, not of clickagg's
+/// (`UNCLASSIFIED`). Transient means an outage of the server, not of clickagg's
 /// request; codes that depend on the request (a setting's limit, the data, the
 /// schema) are fatal.
 pub const CODES: &[(u32, &str, Class)] = &[

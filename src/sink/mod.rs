@@ -1,7 +1,7 @@
 //! The ClickHouse sink: a handle on one database ([`Sink`]) and what clickagg asks of
-//! it, one file each — the error classes ([`error`]), the tables and their cluster
-//! form ([`schema`]), the writes of a flush ([`write`]), the reads ([`read`]) and the
-//! per-topic registries ([`registry`]).
+//! it, one file each — the error classes (`error`), the tables and their cluster
+//! form (`schema`), the writes of a flush (`write`), the reads (`read`) and the
+//! per-topic registries (`registry`).
 //!
 //! The client is configured for every server the project supports: no compression
 //! (the Debian 18.16 server's HTTP handler fails on the crate's LZ4 frames and the

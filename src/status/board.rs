@@ -7,7 +7,7 @@
 //!
 //! | hook | called by | when |
 //! |---|---|---|
-//! | [`reading`](StatusBoard::reading) | `Stages::assign`, `Stages::fall_back_to_private` | a reader starts a partition |
+//! | [`reading`](StatusBoard::reading) | `Stages::assign`, `Stages::fall_back` | a reader starts a partition |
 //! | [`revoked`](StatusBoard::revoked) | `Stages::revoke` | partitions stop being ours |
 //! | [`read_up_to`](StatusBoard::read_up_to) | `Stages::prepare` | a poll batch is taken in |
 //! | [`flushed`](StatusBoard::flushed), [`committed`](StatusBoard::committed) | the flusher | a flush is durable, its offsets committed |
@@ -183,7 +183,7 @@ impl StatusBoard {
         let reading = Reading::parse(metrics);
         let identity = self.identity.get().cloned();
         let n = identity.as_ref().map(|i| i.batch_offsets);
-        let partitions = self
+        let partitions: Vec<PartitionRow> = self
             .partitions
             .lock()
             .expect("not poisoned")
@@ -203,9 +203,13 @@ impl StatusBoard {
         let history = self.history.lock().expect("not poisoned");
         let current = &reading.counters;
         let rates = history.rates(now, current);
+        let (p50, p99) =
+            (history.freshness_quantile(0.5, now, current), history.freshness_quantile(0.99, now, current));
         let freshness = Freshness {
-            p50_seconds: history.freshness_quantile(0.5, now, current),
-            p99_seconds: history.freshness_quantile(0.99, now, current),
+            p50_seconds: p50.map(|q| q.value),
+            p50_more_than: p50.is_some_and(|q| q.more_than),
+            p99_seconds: p99.map(|q| q.value),
+            p99_more_than: p99.is_some_and(|q| q.more_than),
             window_seconds: FRESHNESS_WINDOW_SECONDS,
         };
         drop(history);
@@ -226,6 +230,7 @@ impl StatusBoard {
             member: identity,
             ready,
             not_ready_reasons,
+            assigned_partitions: partitions.len(),
             partitions,
             rates: Rates {
                 window_seconds: RATE_WINDOW_SECONDS,
@@ -252,6 +257,9 @@ pub struct Snapshot {
     pub member: Option<Identity>,
     pub ready: bool,
     pub not_ready_reasons: Vec<&'static str>,
+    /// Partitions this member owns; 0 for a standby (more members than partitions),
+    /// which is ready all the same.
+    pub assigned_partitions: usize,
     pub partitions: Vec<PartitionRow>,
     pub rates: Rates,
     pub totals: Totals,
@@ -292,10 +300,14 @@ pub struct Totals {
 }
 
 /// Of the clicks made durable over the last `window_seconds`; `null` when none were.
+/// `…_more_than`: the quantile lies beyond the histogram's top bucket (5 minutes), so
+/// it is more than `…_seconds` (that bucket's bound), not equal to it.
 #[derive(Debug, Serialize)]
 pub struct Freshness {
     pub p50_seconds: Option<f64>,
+    pub p50_more_than: bool,
     pub p99_seconds: Option<f64>,
+    pub p99_more_than: bool,
     pub window_seconds: f64,
 }
 

@@ -156,7 +156,7 @@ impl History {
 
     /// The `q`-quantile of the freshness of the clicks made durable over the last
     /// [`FRESHNESS_WINDOW_SECONDS`]; `None` when none were (or nothing was sampled yet).
-    pub fn freshness_quantile(&self, q: f64, now: f64, current: &Counters) -> Option<f64> {
+    pub fn freshness_quantile(&self, q: f64, now: f64, current: &Counters) -> Option<Quantile> {
         let (_, old) = self.start_of(now, FRESHNESS_WINDOW_SECONDS)?;
         let increase: Vec<(f64, f64)> = current
             .freshness
@@ -179,11 +179,27 @@ pub struct Rates {
     pub dead_letters: BTreeMap<String, f64>,
 }
 
+/// A quantile read from histogram buckets.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Quantile {
+    pub value: f64,
+    /// The rank fell in the `+Inf` bucket: the quantile is more than `value` (the
+    /// highest finite bound), by an amount the buckets cannot tell.
+    pub more_than: bool,
+}
+
+impl Quantile {
+    fn at(value: f64) -> Quantile {
+        Quantile { value, more_than: false }
+    }
+}
+
 /// Prometheus' `histogram_quantile` over cumulative `(le, count)` buckets, `le`
 /// ascending and ending with `+Inf`: linear interpolation within the bucket holding the
 /// rank, from 0 for the first bucket; a rank in the `+Inf` bucket gives the highest
-/// finite bound. `None` without observations.
-pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
+/// finite bound, flagged [`more_than`](Quantile::more_than). `None` without
+/// observations.
+pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<Quantile> {
     let total = buckets.last()?.1;
     if total <= 0.0 || !(0.0..=1.0).contains(&q) {
         return None;
@@ -193,12 +209,12 @@ pub fn histogram_quantile(q: f64, buckets: &[(f64, f64)]) -> Option<f64> {
     let (upper, count) = buckets[i];
     let (lower, below) = if i == 0 { (0.0, 0.0) } else { buckets[i - 1] };
     if upper.is_infinite() {
-        return (i > 0).then_some(lower);
+        return (i > 0).then_some(Quantile { value: lower, more_than: true });
     }
     if count == below {
-        return Some(upper);
+        return Some(Quantile::at(upper));
     }
-    Some(lower + (upper - lower) * (rank - below) / (count - below))
+    Some(Quantile::at(lower + (upper - lower) * (rank - below) / (count - below)))
 }
 
 #[cfg(test)]
@@ -237,14 +253,17 @@ clickagg_flush_duration_seconds_bucket{le=\"0.5\"} 3
     #[test]
     fn quantiles_interpolate_within_buckets_like_prometheus() {
         let b = [(0.5, 500.0), (1.0, 900.0), (2.0, 1000.0), (f64::INFINITY, 1000.0)];
-        assert_eq!(histogram_quantile(0.5, &b), Some(0.5));
-        assert_eq!(histogram_quantile(0.25, &b), Some(0.25));
-        assert_eq!(histogram_quantile(0.7, &b), Some(0.75));
-        assert_eq!(histogram_quantile(0.95, &b), Some(1.5));
-        // Ranks in the +Inf bucket get the highest finite bound.
+        let value = |q: f64, b: &[(f64, f64)]| histogram_quantile(q, b).map(|x| (x.value, x.more_than));
+        assert_eq!(value(0.5, &b), Some((0.5, false)));
+        assert_eq!(value(0.25, &b), Some((0.25, false)));
+        assert_eq!(value(0.7, &b), Some((0.75, false)));
+        assert_eq!(value(0.95, &b), Some((1.5, false)));
+        assert_eq!(value(1.0, &b), Some((2.0, false)), "the last observation is within the last finite bucket");
+        // Ranks in the +Inf bucket get the highest finite bound, known only as a floor.
         let tail = [(1.0, 10.0), (f64::INFINITY, 100.0)];
-        assert_eq!(histogram_quantile(0.99, &tail), Some(1.0));
-        assert_eq!(histogram_quantile(0.5, &[(1.0, 0.0), (f64::INFINITY, 0.0)]), None);
+        assert_eq!(value(0.99, &tail), Some((1.0, true)));
+        assert_eq!(value(0.05, &tail), Some((0.5, false)));
+        assert_eq!(value(0.5, &[(1.0, 0.0), (f64::INFINITY, 0.0)]), None);
     }
 
     fn counters(records: f64, freshness: &[(f64, f64)]) -> Counters {
@@ -275,7 +294,7 @@ clickagg_flush_duration_seconds_bucket{le=\"0.5\"} 3
         assert_eq!(h.rates(14.0, &now).unwrap().records, 10.0, "40 records over 4 s");
         // The 100 observations before the first sample are not in the window: all of
         // the increase is above 1 s.
-        assert_eq!(h.freshness_quantile(0.5, 14.0, &now), Some(1.0));
+        assert_eq!(h.freshness_quantile(0.5, 14.0, &now), Some(Quantile { value: 1.0, more_than: true }));
     }
 
     #[test]

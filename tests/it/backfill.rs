@@ -138,12 +138,19 @@ async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
     env.replay_checked("replay-time", &mid, &truth.counts).await;
 }
 
+/// `verify` and `reconcile`: exit 0 on an exact match, 4 when the counts differ, 1
+/// when they could not run; a script must be able to tell a wrong count from an outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
+async fn reconcile_and_verify_match_after_a_run_report_a_corrupted_row_and_tell_it_from_an_outage() {
     let (env, truth) = counted_topic("reconcile", 40_000, 15).await;
     // "exact match" says the recount equals the rows; the rows must equal the
     // generator's truth for that to say the recount is right.
     env.assert_counts_exact(&truth.counts, "before reconciling").await;
+    let truth_file = env.log_dir.join("truth.csv");
+    truth.write_csv(&truth_file).unwrap();
+    let truth_arg = truth_file.display().to_string();
+    let out = run_to_end(&env, "verify-ok", &["verify", "--expected", &truth_arg], &[], 0).await;
+    assert!(out.contains("exact match"), "{out}");
     let (from, to) = window(&truth.counts);
     let out = run_to_end(&env, "reconcile-ok", &["reconcile", "--from", &from, "--to", &to], &[], 0).await;
     assert!(out.contains("exact match"), "{out}");
@@ -174,9 +181,21 @@ async fn reconcile_matches_after_a_run_and_reports_a_corrupted_row() {
         version: i64::MAX - 1,
     };
     env.sink().insert(&env.topic, &[forged], Writer::Member).await.unwrap();
-    let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 1).await;
+    let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 4).await;
     assert!(out.contains("1 ad-minutes differ"), "{out}");
     assert!(out.contains(&key.minute.to_rfc3339()) && out.contains(&format!("{}", clicks + 5)), "{out}");
+    let out = run_to_end(&env, "verify-bad", &["verify", "--expected", &truth_arg], &[], 4).await;
+    assert!(out.contains("1 ad-minutes differ"), "{out}");
+
+    // Could not run: ClickHouse unreachable (nothing listens there), a truth file missing.
+    let unreachable = format!("http://127.0.0.1:{}", crate::helpers::stack::free_port());
+    let down = [("CLICKAGG__CLICKHOUSE__URL", unreachable.as_str())];
+    let out = run_to_end(&env, "reconcile-down", &["reconcile", "--from", &from, "--to", &to], &down, 1).await;
+    assert!(!out.contains("differ") && !out.contains("exact match"), "{out}");
+    let out = run_to_end(&env, "verify-down", &["verify", "--expected", &truth_arg], &down, 1).await;
+    assert!(!out.contains("differ") && !out.contains("exact match"), "{out}");
+    let missing = env.log_dir.join("no-truth.csv").display().to_string();
+    run_to_end(&env, "verify-no-file", &["verify", "--expected", &missing], &[], 1).await;
 }
 
 /// The smallest minute-aligned window holding every bucket, as RFC 3339 strings.

@@ -294,6 +294,35 @@ fn every_clickagg_variable_in_compose_is_a_known_setting() {
     }
 }
 
+/// The demo can be repeated: the producer draws a fresh seed each run (a fixed one
+/// re-sends the last run's click IDs, rightly dropped as duplicates) and adds its
+/// counts to the truth in the `demo` volume, where `verify` (run in the same service)
+/// reads it. `operability::the_compose_demo_can_be_run_twice_and_verifies_each_time`
+/// runs this command twice against the real services.
+#[test]
+fn the_compose_demo_producer_can_be_repeated() {
+    let doc = compose();
+    let producer = service(&doc, "producer");
+    let cmd = command(producer);
+    assert_eq!(cmd.first().map(String::as_str), Some("produce"), "{cmd:?}");
+    assert!(!cmd.iter().any(|w| w.starts_with("--seed")), "a fixed seed repeats the last run's clicks: {cmd:?}");
+    assert!(cmd.iter().any(|w| w == "--add-to-truth"), "each run must add to the truth, not replace it: {cmd:?}");
+    assert!(!cmd.iter().any(|w| w.starts_with("--truth")), "verify reads truth.csv in the working directory: {cmd:?}");
+    let workdir = dockerfile()
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("WORKDIR "))
+        .next_back()
+        .expect("the runtime stage's WORKDIR")
+        .trim()
+        .to_string();
+    let volumes: Vec<String> =
+        producer["volumes"].as_sequence().expect("producer volumes").iter().map(scalar).collect();
+    assert!(
+        volumes.iter().any(|v| v.split(':').nth(1) == Some(workdir.as_str())),
+        "the demo volume must be the working directory {workdir}, where truth.csv is: {volumes:?}"
+    );
+}
+
 #[test]
 fn a_misspelt_variable_would_fail_the_check() {
     // The guard the compose check relies on: the loader rejects an unknown key.
@@ -376,6 +405,13 @@ fn dockerfile_builds_the_binary_with_what_the_sources_embed() {
     }
     embedded.sort();
     embedded.dedup();
+    // The build script is read at build time too.
+    if repo().join("build.rs").exists() {
+        assert!(
+            instructions.iter().any(|l| l.starts_with("COPY") && l.split_whitespace().any(|w| w == "build.rs")),
+            "the Dockerfile does not COPY build.rs"
+        );
+    }
     assert!(embedded.len() > 1, "expected src/sink.rs to embed sql/");
     for dir in &embedded {
         assert!(copied(dir), "the Dockerfile does not COPY {dir}/, which the sources embed");
@@ -484,7 +520,7 @@ fn chart_values(file: Option<&str>) -> Value {
 }
 
 /// The environment variable of each Secret key (the chart's "clickagg.secretFileVars",
-/// without `_FILE`).
+/// without `_FILE`): every setting clickagg reads from a `<VAR>_FILE`.
 const CHART_SECRET_VARS: &[(&str, &str)] = &[
     ("kafka-sasl-password", "CLICKAGG__KAFKA__SASL_PASSWORD"),
     ("kafka-ssl-key-password", "CLICKAGG__KAFKA__SSL_KEY_PASSWORD"),
@@ -530,8 +566,9 @@ fn chart_member_settings(file: Option<&str>) -> (Settings, Value) {
         ("CLICKAGG__KAFKA__GROUP_INSTANCE_ID".to_string(), "clickagg-0".to_string()),
         ("CLICKAGG__HTTP__ADDR".to_string(), scalar(&config["http"]["addr"])),
     ]);
-    // Each secret the Secret holds reaches clickagg as a file named by `<VAR>_FILE`;
-    // here its value stands in through `<VAR>`, which clickagg reads the same way.
+    // Each secret the Secret holds reaches clickagg as a file named by `<VAR>_FILE`, as
+    // the chart mounts it: a stand-in file per key, ending in a newline like most
+    // secrets written with `echo` or an editor (clickagg drops one).
     let keys: Vec<String> = match (&values["secret"]["existingSecret"], &values["secret"]["values"]) {
         (Value::String(s), _) if !s.is_empty() => {
             values["secret"]["keys"].as_sequence().expect("secret.keys").iter().map(scalar).collect()
@@ -541,8 +578,14 @@ fn chart_member_settings(file: Option<&str>) -> (Settings, Value) {
     };
     for key in keys {
         let var = CHART_SECRET_VARS.iter().find(|(k, _)| *k == key).unwrap_or_else(|| panic!("secret key {key}"));
-        let stand_in = if key.ends_with("-url") { "redis://stand-in:6379/" } else { "stand-in" };
-        vars.insert(var.1.to_string(), stand_in.to_string());
+        let stand_in = match key.as_str() {
+            "redis-url" => "redis://stand-in:6379/",
+            "clickhouse-url" => "https://clickhouse-stand-in:8443/",
+            _ => "stand-in",
+        };
+        let file = dir.path().join(&key);
+        std::fs::write(&file, format!("{stand_in}\n")).expect("stand-in secret file");
+        vars.insert(format!("{}_FILE", var.1), file.display().to_string());
     }
     let settings = Settings::load_with_vars(Some(&path), vec![], vars.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .unwrap_or_else(|e| panic!("{CHART} with {file:?}: {e}"));
@@ -568,7 +611,9 @@ fn the_helm_charts_configuration_loads_and_its_grace_period_covers_the_drain() {
     assert_eq!(cluster.kafka.brokers.split(',').count(), 3, "values-cluster.yaml: 3 brokers");
     assert_eq!(cluster.clickhouse.cluster.as_deref(), Some("clickagg_cluster"));
     assert_eq!(cluster.clickhouse.quorum(), 2);
-    assert!(cluster.kafka.sasl_password.is_some() && cluster.dedup.fingerprint_key.expose() == "stand-in");
+    // The secrets came from their files, without the newline that ends them.
+    assert_eq!(cluster.kafka.sasl_password.as_ref().map(|p| p.expose()), Some("stand-in"));
+    assert_eq!(cluster.dedup.fingerprint_key.expose(), "stand-in");
 }
 
 #[test]
@@ -578,6 +623,10 @@ fn the_helm_charts_secret_files_and_alerts_are_the_ones_deployed() {
     for (key, var) in CHART_SECRET_VARS {
         assert!(helpers.contains(&format!("{key}: {var}_FILE")), "_helpers.tpl lacks {key}: {var}_FILE");
     }
+    use clickagg::config::secret_files::{var_name, SECRET_KEYS};
+    let vars: Vec<String> = SECRET_KEYS.iter().map(|k| var_name(k)).collect();
+    let chart: Vec<String> = CHART_SECRET_VARS.iter().map(|(_, v)| v.to_string()).collect();
+    assert_eq!(chart, vars, "the chart's secret keys are not the settings clickagg reads from files");
     assert_eq!(
         read(&format!("{CHART}/files/alerts.yml")),
         read("deploy/prometheus/alerts.yml"),

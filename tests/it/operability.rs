@@ -147,8 +147,118 @@ async fn metrics_and_readiness_report_what_happened_in_a_run() {
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
-/// Secrets from a file, the environment and flags reach their services and never
-/// any output: logs, errors, `clickagg config`.
+/// More members than partitions: the one without a partition is a standby, and ready
+/// (Redis and ClickHouse answer), so a surge pod of a rolling update or a spare replica
+/// does not hold a rollout or fire ClickaggMemberNotReady. Its status still shows it
+/// owns nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_without_partitions_in_a_group_larger_than_the_topic_is_ready() {
+    let env = TestEnv::new("standby").await;
+    let (records, truth) = env.plan(Spec { count: 2_000, seed: 50, ..Spec::default() });
+    env.send(&records, 1, None).await;
+    let mut a = env.spawn_member("a");
+    a.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    let mut b = env.spawn_member("b");
+    // Both in the group (the group's own description), the one partition with one of them.
+    let (a_id, b_id) = (client_id(&a).await, client_id(&b).await);
+    wait_until("both members are in the group", CONVERGE, || async {
+        let mut cmd = env.command(&["status", "--format", "json"], &[]);
+        let out = tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap();
+        let s: serde_json::Value = serde_json::from_slice(&out.stdout).map_err(|e| format!("{e}: {out:?}"))?;
+        let members: Vec<&str> =
+            s["members"].as_array().unwrap().iter().filter_map(|m| m["client_id"].as_str()).collect();
+        let owners: Vec<&str> =
+            s["partitions"].as_array().unwrap().iter().filter_map(|p| p["owner"].as_str()).collect();
+        if members.len() == 2
+            && members.contains(&a_id.as_str())
+            && members.contains(&b_id.as_str())
+            && owners.len() == 1
+        {
+            Ok(())
+        } else {
+            Err(format!("members {members:?}, owners {owners:?}"))
+        }
+    })
+    .await;
+    let mut standbys = 0;
+    for m in [&b, &a] {
+        let (code, body) = wait_until("the member is ready", Duration::from_secs(30), || async {
+            match m.http_get("/readyz").await {
+                (200, body) => Ok((200, body)),
+                (code, body) => Err(format!("{code} {body}")),
+            }
+        })
+        .await;
+        assert_eq!((code, body.trim()), (200, "ready"), "{}", m.label);
+        assert_eq!(m.metric("clickagg_ready", &[]).await, 1.0, "{}", m.label);
+        let status: serde_json::Value = serde_json::from_str(&m.http_get("/status.json").await.1).unwrap();
+        assert_eq!(status["ready"], true, "{status}");
+        let owned = status["partitions"].as_array().unwrap().len();
+        assert_eq!(status["assigned_partitions"].as_u64(), Some(owned as u64), "{status}");
+        assert_eq!(m.metric("clickagg_assigned_partitions", &[]).await, owned as f64);
+        standbys += usize::from(owned == 0);
+    }
+    assert_eq!(standbys, 1, "one of the two members owns the topic's only partition");
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+    assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
+}
+
+async fn client_id(member: &crate::helpers::Member) -> String {
+    let s: serde_json::Value = serde_json::from_str(&member.http_get("/status.json").await.1).unwrap();
+    s["member"]["client_id"].as_str().unwrap().to_string()
+}
+
+/// The compose demo (`docker-compose.yml`'s `producer`, then `verify --expected
+/// truth.csv` in the same volume) run twice into the same topic: each run must verify,
+/// the second as well as the first. Docker is not needed: the producer's command is read
+/// from the compose file and run with this test's settings (fewer records), in one
+/// working directory that stands for the `demo` volume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_compose_demo_can_be_run_twice_and_verifies_each_time() {
+    let compose: serde_yaml_ng::Value =
+        serde_yaml_ng::from_str(include_str!("../../docker-compose.yml")).expect("docker-compose.yml");
+    let mut produce: Vec<String> = compose["services"]["producer"]["command"]
+        .as_sequence()
+        .expect("the producer's command as a list")
+        .iter()
+        .map(|w| w.as_str().expect("a word").to_string())
+        .collect();
+    assert_eq!(produce[0], "produce");
+    let count = produce.iter().position(|w| w == "--count").expect("--count") + 1;
+    produce[count] = "20000".into();
+    let verify = ["verify", "--expected", "truth.csv"];
+    let env = TestEnv::new("composedemo").await;
+    let volume = env.log_dir.join("demo-volume");
+    std::fs::create_dir_all(&volume).unwrap();
+    let run = |label: String, args: Vec<String>| {
+        let mut cmd = env.command(&args.iter().map(String::as_str).collect::<Vec<_>>(), &[]);
+        cmd.current_dir(&volume);
+        async move {
+            let out = tokio::task::spawn_blocking(move || cmd.output().unwrap()).await.unwrap();
+            let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+            (label, out.status.code().unwrap_or(-1), text)
+        }
+    };
+    let mut member = env.spawn_member("aggregator");
+    for round in 1..=2 {
+        let (label, code, out) = run(format!("produce-{round}"), produce.clone()).await;
+        assert_eq!(code, 0, "{label}: {out}");
+        wait_until(&format!("run {round} verifies"), CONVERGE, || async {
+            let (_, code, out) = run(format!("verify-{round}"), verify.map(String::from).to_vec()).await;
+            if code == 0 {
+                Ok(())
+            } else {
+                Err(format!("exit {code}: {out}"))
+            }
+        })
+        .await;
+    }
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// Secrets from the TOML file, a `<VAR>_FILE` file, the environment and flags reach
+/// their services and never any output: logs, errors, `clickagg config`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     // A private Redis whose only user is an ACL user with a password.
@@ -170,6 +280,13 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     let clickhouse_secret = "clickagg-local-password";
     let config = env.log_dir.join("clickagg.toml");
     std::fs::write(&config, format!("[kafka]\nsasl_password = \"{kafka_secret}\"\n")).unwrap();
+    // The Redis password as a mounted Secret hands it over: a file, ending in a newline.
+    let secret_file = |name: &str, content: &str| {
+        let path = env.log_dir.join(name);
+        std::fs::write(&path, format!("{content}\n")).unwrap();
+        path.display().to_string()
+    };
+    let redis_password_file = secret_file("redis-password", &redis_secret);
     env.extra_env.extend(
         [
             ("CLICKAGG__KAFKA__BROKERS", "127.0.0.1:9094"),
@@ -177,7 +294,7 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
             ("CLICKAGG__KAFKA__SASL_MECHANISM", "PLAIN"),
             ("CLICKAGG__KAFKA__SASL_USERNAME", "clickagg"),
             ("CLICKAGG__REDIS__USERNAME", "clickagg"),
-            ("CLICKAGG__REDIS__PASSWORD", redis_secret.as_str()),
+            ("CLICKAGG__REDIS__PASSWORD_FILE", redis_password_file.as_str()),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string())),
     );
@@ -208,9 +325,10 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
     );
 
     // Wrong credentials fail clearly, and the wrong secret does not leak either.
+    let wrong_redis_file = secret_file("wrong-redis-password", "wrong-redis-hunter2");
     for (label, extra) in [
         ("bad-clickhouse", ("CLICKAGG__CLICKHOUSE__PASSWORD", "wrong-ch-hunter2")),
-        ("bad-redis", ("CLICKAGG__REDIS__PASSWORD", "wrong-redis-hunter2")),
+        ("bad-redis", ("CLICKAGG__REDIS__PASSWORD_FILE", wrong_redis_file.as_str())),
         ("bad-kafka", ("CLICKAGG__KAFKA__SASL_PASSWORD", "wrong-kafka-hunter2")),
     ] {
         let args: Vec<&str> = if label == "bad-clickhouse" {
@@ -229,6 +347,20 @@ async fn secrets_from_file_environment_and_flags_never_appear_in_any_output() {
         assert!(!out.contains("hunter2"), "{label} printed the wrong secret:\n{out}");
         assert_clean(label, &out);
     }
+
+    // A secret file that cannot be read, or a secret given twice, is a bad setting (exit
+    // 2) for every command, named with the variable and the path.
+    let missing = env.log_dir.join("no-such-secret").display().to_string();
+    for (label, args) in [("missing-file-config", vec!["config"]), ("missing-file-migrate", vec!["migrate"])] {
+        let mut bad = env.spawn(label, &args, &[("CLICKAGG__REDIS__PASSWORD_FILE", &missing)]);
+        assert_eq!(bad.wait(Duration::from_secs(30)).await, 2, "{}", bad.output());
+        assert!(bad.output().contains(&format!("CLICKAGG__REDIS__PASSWORD_FILE names {missing}")), "{}", bad.output());
+    }
+    let mut twice = env.spawn("twice", &["config"], &[("CLICKAGG__REDIS__PASSWORD", "wrong-redis-hunter2")]);
+    assert_eq!(twice.wait(Duration::from_secs(30)).await, 2, "{}", twice.output());
+    assert!(twice.output().contains("CLICKAGG__REDIS__PASSWORD and CLICKAGG__REDIS__PASSWORD_FILE are both set"));
+    assert!(!twice.output().contains("hunter2"));
+    assert_clean("twice", &twice.output());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -150,6 +150,72 @@ async fn the_status_page_shows_what_the_metrics_say_and_an_outage_with_its_reaso
     member.kill9().await;
 }
 
+/// The page and `/status.json` of a member whose clicks took longer than the top
+/// freshness bucket (5 minutes): the quantile is only known to be more than that, and
+/// both say so ("> 5 min", `p99_more_than`) instead of showing the bound as a value.
+/// The JSON is the real status board's, from a `/metrics` text with those observations;
+/// the page is the real one, in Chromium.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_freshness_quantile_beyond_the_top_bucket_shows_as_more_than_5_min() {
+    let now = clickagg::status::unix_now();
+    let freshness = |counts: [u64; 4]| {
+        let [a, b, c, inf] = counts;
+        format!(
+            "clickagg_freshness_seconds_bucket{{le=\"1\"}} {a}\nclickagg_freshness_seconds_bucket{{le=\"2\"}} {b}\n\
+             clickagg_freshness_seconds_bucket{{le=\"300\"}} {c}\nclickagg_freshness_seconds_bucket{{le=\"+Inf\"}} {inf}\n"
+        )
+    };
+    let board = clickagg::status::StatusBoard::default();
+    board.sample(&freshness([0, 0, 0, 0]), now - 10.0);
+    // 70 % within a second, 30 % over five minutes: p50 is known, p99 only bounded below.
+    let metrics = freshness([700, 700, 700, 1000]);
+    let json = serde_json::to_value(board.snapshot(Ok(()), &metrics, now)).unwrap();
+    let f = &json["freshness"];
+    assert_eq!((f["p99_seconds"].as_f64(), f["p99_more_than"].as_bool()), (Some(300.0), Some(true)), "{f}");
+    assert_eq!(f["p50_more_than"], false, "{f}");
+    assert!(f["p50_seconds"].as_f64().is_some_and(|p| p < 1.0), "{f}");
+
+    let url = serve_page_with(json.clone()).await;
+    let page = wait_until("the page rendered the JSON", SETTLE, || async {
+        let page = browser::page(&url).await;
+        if page.renders() > 0 {
+            Ok(page)
+        } else {
+            Err(page.connection())
+        }
+    })
+    .await;
+    let p99 = page.figure("freshness_p99_seconds");
+    assert_eq!((p99.value().as_f64(), p99.attr("data-more-than")), (Some(300.0), Some("true")));
+    assert_eq!(figure_text(&page, "freshness_p99_seconds"), "> 5 min");
+    let p50 = page.figure("freshness_p50_seconds");
+    assert_eq!((p50.value().as_f64(), p50.attr("data-more-than")), (f["p50_seconds"].as_f64(), Some("false")));
+    assert!(!figure_text(&page, "freshness_p50_seconds").starts_with('>'));
+}
+
+/// Serves `assets/status.html` at `/` and `json` at `/status.json` on a free port of
+/// 127.0.0.1 for the rest of the test; the page's URL.
+async fn serve_page_with(json: Value) -> String {
+    use axum::routing::get;
+    let page = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/assets/status.html")).unwrap();
+    let app = axum::Router::new().route("/", get(move || async move { axum::response::Html(page) })).route(
+        "/status.json",
+        get(move || async move { ([(axum::http::header::CONTENT_TYPE, "application/json")], json.to_string()) }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}/")
+}
+
+/// The text of the element with `data-figure="name"`, as the page shows it.
+fn figure_text(page: &Page, name: &str) -> String {
+    let at = page.html.find(&format!("data-figure=\"{name}\"")).unwrap_or_else(|| panic!("no {name}"));
+    let after = &page.html[at..];
+    let text = &after[after.find('>').unwrap() + 1..];
+    text[..text.find('<').unwrap()].replace("&gt;", ">").replace("&lt;", "<").replace("&amp;", "&")
+}
+
 /// The page against `/status.json` (taken just before it) and `/metrics` (taken just
 /// before and after it), on an idle member.
 fn assert_page_matches(page: &Page, json: &Value, before: &str, after: &str) {
@@ -223,9 +289,13 @@ fn assert_page_matches(page: &Page, json: &Value, before: &str, after: &str) {
 
     // Freshness and the clicks per minute: the JSON's, and every counted click durable
     // in the minute of its record timestamp (all within the last hour).
-    for q in ["p50_seconds", "p99_seconds"] {
-        let v = page.figure(&format!("freshness_{q}")).value();
-        assert_eq!(f64_of(&v), f64_of(&json["freshness"][q]), "freshness {q}");
+    for q in ["p50", "p99"] {
+        let figure = page.figure(&format!("freshness_{q}_seconds"));
+        assert_eq!(f64_of(&figure.value()), f64_of(&json["freshness"][format!("{q}_seconds")]), "freshness {q}");
+        let more_than = json["freshness"][format!("{q}_more_than")].as_bool().unwrap();
+        assert_eq!(figure.attr("data-more-than"), Some(if more_than { "true" } else { "false" }), "freshness {q}");
+        let text = figure_text(page, &format!("freshness_{q}_seconds"));
+        assert_eq!(text.starts_with("> "), more_than, "freshness {q}: {text}");
     }
     let minutes = json["clicks_per_minute"].as_array().unwrap();
     let spark = page.figure("clicks_per_minute");
@@ -350,9 +420,10 @@ async fn clickagg_status_shows_a_killed_members_partitions_stalled_and_the_other
 /// Every metric name the Grafana dashboard and the alerts use (`scripts/metric-names`)
 /// is in a member's `/metrics`: a renamed or never-registered metric would leave an
 /// empty panel or an alert that can never fire. Error counters must be there before
-/// any error, at 0.
+/// any error, at 0. And every one has the help text, build info and process metrics
+/// a Prometheus user expects of a service.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_member() {
+async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_member_with_help_text() {
     let out = std::process::Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/metric-names"))
         .output()
         .expect("run scripts/metric-names");
@@ -383,5 +454,62 @@ async fn every_metric_the_dashboard_and_the_alerts_use_is_exported_by_a_member()
     for op in ["client", "consume", "commit", "dead_letter"] {
         assert!(text.contains(&format!("clickagg_kafka_errors_total{{op=\"{op}\"}}")), "op {op}");
     }
+    assert_fits_prometheus(&text);
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// `/metrics` as Prometheus expects it of a service: every `clickagg_` metric family
+/// (a histogram's `_bucket`, `_sum` and `_count` are one) with `# HELP` text and a
+/// `# TYPE`, `clickagg_build_info` = 1 with the version, and the standard process
+/// metrics.
+fn assert_fits_prometheus(text: &str) {
+    let comments = |kind: &str| -> BTreeSet<String> {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(&format!("# {kind} ")))
+            .filter_map(|l| {
+                let (name, rest) = l.split_once(' ')?;
+                (!rest.trim().is_empty()).then(|| name.to_string())
+            })
+            .collect()
+    };
+    let (helped, typed) = (comments("HELP"), comments("TYPE"));
+    let families: BTreeSet<String> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && l.starts_with("clickagg_"))
+        .filter_map(|l| l.split(['{', ' ']).next())
+        .map(|name| {
+            let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s));
+            match family {
+                Some(f) if typed.contains(f) && !typed.contains(name) => f.to_string(),
+                _ => name.to_string(),
+            }
+        })
+        .collect();
+    assert!(families.len() >= 30, "{families:?}");
+    let unhelped: Vec<&String> = families.iter().filter(|f| !helped.contains(*f)).collect();
+    assert!(unhelped.is_empty(), "no # HELP for {unhelped:?}");
+    let untyped: Vec<&String> = families.iter().filter(|f| !typed.contains(*f)).collect();
+    assert!(untyped.is_empty(), "no # TYPE for {untyped:?}");
+
+    let build = text.lines().find(|l| l.starts_with("clickagg_build_info{")).expect("clickagg_build_info");
+    assert!(build.ends_with(" 1"), "{build}");
+    assert!(build.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))), "{build}");
+    assert!(build.contains("rustc=\"1."), "the compiler's version: {build}");
+
+    for name in
+        ["process_cpu_seconds_total", "process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"]
+    {
+        let value = crate::helpers::metric_value(text, name, &[]);
+        assert!(helped.contains(name), "no # HELP for {name}");
+        match name {
+            "process_resident_memory_bytes" => assert!(value > 1e6, "{name} {value}"),
+            "process_open_fds" => assert!(value >= 3.0, "{name} {value}"),
+            // Started within the last hour, by the wall clock.
+            "process_start_time_seconds" => {
+                let now = chrono::Utc::now().timestamp() as f64;
+                assert!(value <= now && value > now - 3600.0, "{name} {value}")
+            }
+            _ => assert!(value >= 0.0, "{name} {value}"),
+        }
+    }
 }

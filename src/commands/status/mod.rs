@@ -31,8 +31,8 @@ use crate::sink::{LastFlush, Sink};
 use kafka::timestamps_at;
 pub use kafka::{kafka_view, GroupMember, KafkaView, Offsets};
 
-/// Exit code when at least one partition is stalled.
-pub const EXIT_STALLED: u8 = 4;
+/// Exit code when at least one partition is stalled: a check that found a problem.
+pub const EXIT_STALLED: u8 = super::EXIT_CHECK_FAILED;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Format {
