@@ -16,7 +16,7 @@ pub mod wire;
 
 use fields::Value;
 pub use fields::{FieldPath, Fields, TsUnit};
-pub use wire::{decode_wire_with, Known, Schema, WireFormat};
+pub use wire::{decode_wire_with, Format, Known, Schema, WireFormat};
 
 /// Identifies one click across producer retries and redeliveries; the dedup key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -346,6 +346,40 @@ fn protobuf_kind(v: &Proto) -> &'static str {
     }
 }
 
+/// How the records of the topic are encoded (README, "Click events").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// A JSON object per record.
+    #[default]
+    Json,
+    /// Avro in the Confluent wire format, schemas from `source.schema_registry`.
+    Avro,
+    /// Protobuf in the Confluent wire format, schemas from `source.schema_registry`.
+    Protobuf,
+}
+
+impl Format {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Format::Json => "json",
+            Format::Avro => "avro",
+            Format::Protobuf => "protobuf",
+        }
+    }
+
+    /// Whether records name a schema in a registry (the Confluent wire format).
+    pub fn uses_registry(self) -> bool {
+        self != Format::Json
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,7 @@ pub struct Rules {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Reading {
-    pub format: crate::config::Format,
+    pub format: crate::click::Format,
     pub fields: crate::click::Fields,
     pub ts_unit: crate::click::TsUnit,
 }
@@ -129,7 +129,7 @@ mod tests {
         let old: Rules = serde_json::from_str(&json).unwrap();
         assert_eq!(old, rules(), "a record without the reading reads as the default");
         let mut avro = rules();
-        avro.reading.format = crate::config::Format::Avro;
+        avro.reading.format = crate::click::Format::Avro;
         avro.reading.ts_unit = crate::click::TsUnit::Auto;
         avro.reading.fields.ad_id = crate::click::FieldPath::parse("ad.id").unwrap();
         let back: Rules = serde_json::from_str(&serde_json::to_string(&avro).unwrap()).unwrap();
