@@ -124,6 +124,8 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (CLICKHOUSE_ERRORS, Kind::Counter, "Failed ClickHouse flush attempts."),
     (CLICKHOUSE_RETRIES, Kind::Counter, "ClickHouse flush attempts retried after a transient error."),
     (KAFKA_ERRORS, Kind::Counter, "Kafka errors, by what the member was doing (client, consume, commit, dead_letter)."),
+    (SCHEMA_REGISTRY_ERRORS, Kind::Counter, "Schema registry requests that failed: an outage, waited out and retried, never a dead letter."),
+    (SCHEMAS_FETCHED, Kind::Counter, "Schema IDs looked up in the schema registry or the schema files, each once per process."),
     (BUCKETS_HELD, Kind::Gauge, "Changed count buckets held in memory until a flush makes them durable."),
     (PAUSED, Kind::Gauge, "1 while consumption is paused (Redis refusing claims, or too many unflushed buckets)."),
     (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
@@ -216,6 +218,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         REDIS_RETRIES,
         CLICKHOUSE_ERRORS,
         CLICKHOUSE_RETRIES,
+        SCHEMA_REGISTRY_ERRORS,
+        SCHEMAS_FETCHED,
     ] {
         metrics::counter!(name).absolute(0);
     }
