@@ -173,7 +173,7 @@ pub fn click(e: Encoding, click_id: &str, ad_id: u64, ts_ms: i64) -> Vec<u8> {
 
 /// A record of class `reason` in the wire format of `e`, rejected under the default
 /// [`Limits`]; `None` for the classes every format shares, which the caller makes from
-/// a click with the defect (see [`super::malformed`]).
+/// a click with the defect (`malformed` in `produce.rs`).
 pub fn malformed_wire(e: Encoding, reason: RejectReason, id: &str, send_ms: i64) -> Option<Vec<u8>> {
     let (Encoding::Avro { id: schema, .. } | Encoding::Protobuf { id: schema, .. }) = e else { return None };
     let protobuf = matches!(e, Encoding::Protobuf { .. });
