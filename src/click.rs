@@ -1,15 +1,22 @@
-//! Click events: the JSON contract with the ad servers, and the checks that decide
-//! whether a Kafka record is a countable click or a dead letter.
+//! Click events: the contract with the ad servers (JSON, or Avro and Protobuf in the
+//! Confluent wire format; field paths and timestamp units configurable), and the checks
+//! that decide whether a Kafka record is a countable click or a dead letter.
 //!
-//! Decoding is pure: it sees the record's bytes and the record's Kafka timestamp, never
-//! the wall clock, so a replay next month makes exactly the decisions made today.
+//! Decoding is pure: it sees the record's bytes, the record's Kafka timestamp and (for
+//! Avro and Protobuf) the schema its ID names, never the wall clock, so a replay next
+//! month makes exactly the decisions made today. Fetching schemas is I/O and lives in
+//! `schema_registry`.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::time::Duration;
 
-use serde::de::{self, Deserializer, Visitor};
-use serde::Deserialize;
+pub mod fields;
+mod json;
+pub mod wire;
+
+use fields::Value;
+pub use fields::{FieldPath, Fields, TsUnit};
+pub use wire::{decode_wire_with, Format, Known, Schema, WireFormat};
 
 /// Identifies one click across producer retries and redeliveries; the dedup key.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -89,7 +96,8 @@ pub enum RejectReason {
     /// Not JSON, or not a JSON object.
     MalformedJson,
     MissingField,
-    /// A field of the wrong JSON type, an `ad_id` outside u64, or an unparseable `ts`.
+    /// A field of the wrong type, an `ad_id` outside u64 (or a string of anything but
+    /// its digits), an unparseable `ts`, or (JSON) a field given twice.
     WrongType,
     EmptyClickId,
     ClickIdTooLong,
@@ -99,10 +107,36 @@ pub enum RejectReason {
     TimestampBehind,
     /// Event time outside what a ClickHouse `DateTime` holds (1970..2106).
     TimestampOutOfRange,
+    /// (Avro, Protobuf) Not the Confluent wire format: no magic byte 0 and schema ID,
+    /// or Protobuf message indexes that do not parse or name no message of the schema.
+    NotWireFormat,
+    /// (Avro, Protobuf) The registry has no schema under the record's ID, or one that
+    /// is not of the topic's format or does not compile.
+    UnknownSchema,
+    /// (Avro, Protobuf) The bytes after the header do not decode under their schema.
+    MalformedPayload,
 }
 
 impl RejectReason {
-    pub const ALL: [RejectReason; 11] = [
+    pub const ALL: [RejectReason; 14] = [
+        RejectReason::EmptyPayload,
+        RejectReason::Oversized,
+        RejectReason::NotUtf8,
+        RejectReason::MalformedJson,
+        RejectReason::MissingField,
+        RejectReason::WrongType,
+        RejectReason::EmptyClickId,
+        RejectReason::ClickIdTooLong,
+        RejectReason::TimestampAhead,
+        RejectReason::TimestampBehind,
+        RejectReason::TimestampOutOfRange,
+        RejectReason::NotWireFormat,
+        RejectReason::UnknownSchema,
+        RejectReason::MalformedPayload,
+    ];
+
+    /// The reasons a JSON record can have (the others are the wire format's).
+    pub const JSON: [RejectReason; 11] = [
         RejectReason::EmptyPayload,
         RejectReason::Oversized,
         RejectReason::NotUtf8,
@@ -129,6 +163,9 @@ impl RejectReason {
             RejectReason::TimestampAhead => "timestamp_ahead",
             RejectReason::TimestampBehind => "timestamp_behind",
             RejectReason::TimestampOutOfRange => "timestamp_out_of_range",
+            RejectReason::NotWireFormat => "not_wire_format",
+            RejectReason::UnknownSchema => "unknown_schema",
+            RejectReason::MalformedPayload => "malformed_payload",
         }
     }
 }
@@ -152,7 +189,7 @@ pub struct Rejection {
 pub const MAX_DETAIL_BYTES: usize = 256;
 
 impl Rejection {
-    fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
+    pub(crate) fn new(reason: RejectReason, detail: impl Into<String>) -> Self {
         let mut detail = detail.into();
         if detail.len() > MAX_DETAIL_BYTES {
             let mut cut = MAX_DETAIL_BYTES;
@@ -172,13 +209,18 @@ impl fmt::Display for Rejection {
     }
 }
 
-/// The limits a record is judged by (`[validation]` in the configuration).
+/// How a record is read and the limits it is judged by (`[validation]` in the
+/// configuration).
 #[derive(Debug, Clone)]
 pub struct Limits {
     pub max_payload_bytes: usize,
     pub max_click_id_len: usize,
     pub max_future_skew: Duration,
     pub max_lateness: Duration,
+    /// Where the three fields are.
+    pub fields: Fields,
+    /// The unit of a numeric event time.
+    pub ts_unit: TsUnit,
 }
 
 impl Default for Limits {
@@ -188,41 +230,10 @@ impl Default for Limits {
             max_click_id_len: 128,
             max_future_skew: Duration::from_secs(5 * 60),
             max_lateness: Duration::from_secs(6 * 3600),
+            fields: Fields::default(),
+            ts_unit: TsUnit::default(),
         }
     }
-}
-
-/// The JSON shape, borrowing from the payload; unknown fields are ignored.
-#[derive(Deserialize)]
-struct WireClick<'a> {
-    #[serde(borrow)]
-    click_id: Cow<'a, str>,
-    ad_id: u64,
-    #[serde(deserialize_with = "event_time_ms")]
-    ts: i64,
-}
-
-/// `ts` is either epoch milliseconds (a JSON integer) or an RFC 3339 string.
-fn event_time_ms<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
-    struct TsVisitor;
-    impl<'de> Visitor<'de> for TsVisitor {
-        type Value = i64;
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("epoch milliseconds or an RFC 3339 timestamp")
-        }
-        fn visit_i64<E: de::Error>(self, v: i64) -> Result<i64, E> {
-            Ok(v)
-        }
-        fn visit_u64<E: de::Error>(self, v: u64) -> Result<i64, E> {
-            i64::try_from(v).map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
-        }
-        fn visit_str<E: de::Error>(self, v: &str) -> Result<i64, E> {
-            chrono::DateTime::parse_from_rfc3339(v)
-                .map(|t| t.timestamp_millis())
-                .map_err(|_| E::invalid_value(de::Unexpected::Str(v), &self))
-        }
-    }
-    d.deserialize_any(TsVisitor)
 }
 
 /// Decides what one Kafka record is. `record_ts_ms` is the Kafka record timestamp
@@ -247,14 +258,24 @@ pub fn decode(payload: Option<&[u8]>, record_ts_ms: Option<i64>, limits: &Limits
     decode_with(payload, record_ts_ms, limits, |id| ClickId(id.to_owned()))
 }
 
-/// [`decode`], keeping the click ID as `id_of` makes it from the text borrowed from the
-/// payload (the pipeline hashes it to its fingerprint there and then).
+/// [`decode`] of a JSON record, keeping the click ID as `id_of` makes it from the text
+/// borrowed from the payload (the pipeline hashes it to its fingerprint there and then).
 pub fn decode_with<Id>(
     payload: Option<&[u8]>,
     record_ts_ms: Option<i64>,
     limits: &Limits,
     id_of: impl FnOnce(&str) -> Id,
 ) -> Result<Click<Id>, Rejection> {
+    let bytes = sized(payload, limits)?;
+    let text = std::str::from_utf8(bytes)
+        .map_err(|e| Rejection::new(RejectReason::NotUtf8, format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
+    let values = json::extract(text, &limits.fields)?;
+    judge(values, record_ts_ms, limits, id_of)
+}
+
+/// The payload, unless it is empty or larger than the limit: the checks every format
+/// makes before reading a byte.
+fn sized<'a>(payload: Option<&'a [u8]>, limits: &Limits) -> Result<&'a [u8], Rejection> {
     let bytes = match payload {
         None | Some([]) => return Err(Rejection::new(RejectReason::EmptyPayload, "record has no value")),
         Some(b) => b,
@@ -265,24 +286,44 @@ pub fn decode_with<Id>(
             format!("{} bytes, limit {}", bytes.len(), limits.max_payload_bytes),
         ));
     }
-    let text = std::str::from_utf8(bytes)
-        .map_err(|e| Rejection::new(RejectReason::NotUtf8, format!("invalid UTF-8 at byte {}", e.valid_up_to())))?;
-    let wire: WireClick = serde_json::from_str(text).map_err(classify_json_error)?;
+    Ok(bytes)
+}
 
-    if wire.click_id.is_empty() {
+/// Reads the values found at the three paths (click ID, ad ID, event time) as a
+/// click's fields and judges them by the limits: the rules every format shares.
+fn judge<Id>(
+    values: [Option<Value<'_>>; 3],
+    record_ts_ms: Option<i64>,
+    limits: &Limits,
+    id_of: impl FnOnce(&str) -> Id,
+) -> Result<Click<Id>, Rejection> {
+    let f = &limits.fields;
+    let [click_id, ad_id, ts] = values;
+    let missing = |name: &str, path: &FieldPath| {
+        Rejection::new(RejectReason::MissingField, format!("missing field `{path}` ({name})"))
+    };
+    let click_id = click_id.ok_or_else(|| missing("click_id", &f.click_id))?;
+    let ad_id = ad_id.ok_or_else(|| missing("ad_id", &f.ad_id))?;
+    let ts = ts.ok_or_else(|| missing("ts", &f.ts))?;
+    let click_id = fields::click_id(&f.click_id, click_id)?;
+    let ad_id = fields::ad_id(&f.ad_id, ad_id)?;
+    let ts = fields::ts_millis(&f.ts, ts, limits.ts_unit)?;
+
+    if click_id.is_empty() {
         return Err(Rejection::new(RejectReason::EmptyClickId, "click_id is empty"));
     }
-    if wire.click_id.len() > limits.max_click_id_len {
+    if click_id.len() > limits.max_click_id_len {
         return Err(Rejection::new(
             RejectReason::ClickIdTooLong,
-            format!("click_id has {} bytes, limit {}", wire.click_id.len(), limits.max_click_id_len),
+            format!("click_id has {} bytes, limit {}", click_id.len(), limits.max_click_id_len),
         ));
     }
     if let Some(record_ts) = record_ts_ms {
-        // The producer chooses both times, so any two i64s meet here: their difference
-        // is exact in i128, and the limits are compared as the u128 milliseconds a
-        // Duration holds, never cast down to i64.
-        let ahead = i128::from(wire.ts) - i128::from(record_ts);
+        // The producer chooses both times, so any two i64s meet here (and an event time
+        // converted from seconds goes past i64): the difference is exact in i128, and
+        // the limits are compared as the u128 milliseconds a Duration holds, never cast
+        // down to i64.
+        let ahead = ts - i128::from(record_ts);
         if ahead > 0 && ahead.unsigned_abs() > limits.max_future_skew.as_millis() {
             return Err(Rejection::new(
                 RejectReason::TimestampAhead,
@@ -296,25 +337,11 @@ pub fn decode_with<Id>(
             ));
         }
     }
-    let minute = Minute::from_millis(wire.ts).ok_or_else(|| {
-        Rejection::new(RejectReason::TimestampOutOfRange, format!("ts {} ms is outside 1970..2106", wire.ts))
+    let in_range = i64::try_from(ts).ok().and_then(|ms| Some((ms, Minute::from_millis(ms)?)));
+    let (ts_ms, minute) = in_range.ok_or_else(|| {
+        Rejection::new(RejectReason::TimestampOutOfRange, format!("ts {ts} ms is outside 1970..2106"))
     })?;
-    Ok(Click { click_id: id_of(&wire.click_id), ad_id: wire.ad_id, ts_ms: wire.ts, minute })
-}
-
-fn classify_json_error(e: serde_json::Error) -> Rejection {
-    use serde_json::error::Category;
-    let reason = match e.classify() {
-        Category::Data => {
-            if e.to_string().starts_with("missing field") {
-                RejectReason::MissingField
-            } else {
-                RejectReason::WrongType
-            }
-        }
-        Category::Syntax | Category::Eof | Category::Io => RejectReason::MalformedJson,
-    };
-    Rejection::new(reason, e.to_string())
+    Ok(Click { click_id: id_of(&click_id), ad_id, ts_ms, minute })
 }
 
 #[cfg(test)]
@@ -356,7 +383,7 @@ mod tests {
         assert_eq!(reason("{not json"), RejectReason::MalformedJson);
         assert_eq!(reason("[1,2]"), RejectReason::WrongType);
         assert_eq!(reason(r#"{"click_id":"c","ad_id":1}"#), RejectReason::MissingField);
-        assert_eq!(reason(r#"{"click_id":"c","ad_id":"1","ts":1764489605123}"#), RejectReason::WrongType);
+        assert_eq!(reason(r#"{"click_id":"c","ad_id":"one","ts":1764489605123}"#), RejectReason::WrongType);
         assert_eq!(reason(r#"{"click_id":"c","ad_id":-1,"ts":1764489605123}"#), RejectReason::WrongType);
         assert_eq!(reason(r#"{"click_id":"c","ad_id":1,"ts":"yesterday"}"#), RejectReason::WrongType);
         assert_eq!(reason(r#"{"click_id":"c","ad_id":1,"ts":1.5}"#), RejectReason::WrongType);
@@ -401,7 +428,82 @@ mod tests {
         let e = decode_str(&huge).unwrap_err();
         assert_eq!(e.reason, RejectReason::WrongType);
         assert!(e.detail.len() <= MAX_DETAIL_BYTES + '…'.len_utf8() && e.detail.ends_with('…'), "{}", e.detail);
-        assert!(e.detail.starts_with("invalid type: string"), "{}", e.detail);
+        assert!(e.detail.starts_with("ad_id: \"ééé"), "{}", e.detail);
+    }
+
+    fn at(click_id: &str, ad_id: &str, ts: &str, ts_unit: TsUnit) -> Limits {
+        let p = |s: &str| FieldPath::parse(s).unwrap();
+        Limits { fields: Fields { click_id: p(click_id), ad_id: p(ad_id), ts: p(ts) }, ts_unit, ..Limits::default() }
+    }
+
+    #[test]
+    fn ad_ids_may_be_strings_of_digits_but_nothing_else_and_never_overflow() {
+        let ts = 1_764_489_605_123i64;
+        let with = |ad: &str| decode_str(&format!(r#"{{"click_id":"c","ad_id":{ad},"ts":{ts}}}"#));
+        assert_eq!(with(r#""1234""#).unwrap().ad_id, 1234);
+        assert_eq!(with(r#""18446744073709551615""#).unwrap().ad_id, u64::MAX);
+        assert_eq!(with("18446744073709551615").unwrap().ad_id, u64::MAX);
+        for bad in [r#""18446744073709551616""#, r#""-1""#, r#""1.0""#, r#""""#, r#""12ab""#, "18446744073709551616"] {
+            assert_eq!(with(bad).unwrap_err().reason, RejectReason::WrongType, "{bad}");
+        }
+    }
+
+    #[test]
+    fn numeric_timestamps_are_read_in_the_configured_unit() {
+        let body = |ts: i64| format!(r#"{{"click_id":"c","ad_id":1,"ts":{ts}}}"#);
+        let ms = 1_764_489_605_123i64;
+        let cases = [
+            (TsUnit::Seconds, ms / 1000, ms / 1000 * 1000),
+            (TsUnit::Millis, ms, ms),
+            (TsUnit::Micros, ms * 1000 + 456, ms),
+            (TsUnit::Auto, ms / 1000, ms / 1000 * 1000),
+            (TsUnit::Auto, ms, ms),
+            (TsUnit::Auto, ms * 1000 + 456, ms),
+        ];
+        for (unit, sent, want) in cases {
+            let limits = Limits { ts_unit: unit, ..Limits::default() };
+            let c = decode(Some(body(sent).as_bytes()), Some(RECORD_TS), &limits).unwrap();
+            assert_eq!(c.ts_ms, want, "{sent} in {unit}");
+        }
+        // Seconds read as milliseconds are 1970: far behind the record, not a wrap.
+        assert_eq!(reason(&body(ms / 1000)), RejectReason::TimestampBehind);
+        // The largest i64 of seconds is past any millisecond an i64 holds: still judged.
+        let s = Limits { ts_unit: TsUnit::Seconds, ..Limits::default() };
+        let e = decode(Some(body(i64::MAX).as_bytes()), Some(RECORD_TS), &s).unwrap_err();
+        assert_eq!(e.reason, RejectReason::TimestampAhead);
+        let e = decode(Some(body(i64::MAX).as_bytes()), None, &s).unwrap_err();
+        assert_eq!(e.reason, RejectReason::TimestampOutOfRange);
+        // RFC 3339 strings do not depend on the unit.
+        let rfc = br#"{"click_id":"c","ad_id":1,"ts":"2025-11-30T08:00:05.123Z"}"#;
+        assert_eq!(decode(Some(rfc), Some(RECORD_TS), &s).unwrap().ts_ms, ms);
+    }
+
+    #[test]
+    fn fields_are_found_at_nested_paths() {
+        let limits = at("event.id", "ad.id", "meta.time", TsUnit::Auto);
+        let payload =
+            br#"{"meta":{"time":1764489605,"x":[1]},"ad":{"id":"77","name":"a"},"event":{"id":"e-1"},"click_id":"no"}"#;
+        let c = decode(Some(payload), Some(RECORD_TS), &limits).unwrap();
+        assert_eq!((c.click_id.as_str(), c.ad_id, c.ts_ms), ("e-1", 77, 1_764_489_605_000));
+        let r = |p: &str| decode(Some(p.as_bytes()), Some(RECORD_TS), &limits).unwrap_err();
+        let e = r(r#"{"meta":{"time":1764489605},"ad":{"id":7},"event":{}}"#);
+        assert_eq!((e.reason, e.detail.as_str()), (RejectReason::MissingField, "missing field `event.id` (click_id)"));
+        assert_eq!(r(r#"{"meta":{"time":1764489605},"ad":{"id":7}}"#).reason, RejectReason::MissingField);
+        let e = r(r#"{"meta":{"time":1764489605},"ad":[7],"event":{"id":"e"}}"#);
+        assert_eq!(e.reason, RejectReason::WrongType, "{e}");
+        assert!(e.detail.contains("an object at `ad`"), "{e}");
+        assert_eq!(r(r#"{"meta":{"time":1764489605},"ad":"7","event":{"id":"e"}}"#).reason, RejectReason::WrongType);
+        let e = r(r#"{"meta":{"time":1764489605},"ad":{"id":7,"id":8},"event":{"id":"e"}}"#);
+        assert_eq!((e.reason, e.detail.contains("duplicate field `ad.id`")), (RejectReason::WrongType, true), "{e}");
+        assert_eq!(
+            r(r#"{"meta":{"time":1764489605},"ad":{"id":7},"event":{"id":"e"},"ad":{}}"#).reason,
+            RejectReason::WrongType
+        );
+        assert_eq!(
+            r(r#"{"meta":{"time":1764489605},"ad":{"id":7,]},"event":{"id":"e"}}"#).reason,
+            RejectReason::MalformedJson
+        );
+        assert_eq!(r(r#"{"meta":{"time":1.5},"ad":{"id":7},"event":{"id":"e"}}"#).reason, RejectReason::WrongType);
     }
 
     #[test]

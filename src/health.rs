@@ -25,6 +25,9 @@ pub struct Health {
     /// read-only still answers PING, but the member cannot claim.
     claims_failing: AtomicU8,
     clickhouse_ok: AtomicBool,
+    /// Set while the schema registry does not answer (Avro and Protobuf topics): the
+    /// poll batch waits for its schemas.
+    schema_registry_down: AtomicBool,
     /// Here because every stage that reports to it already holds the `Health`.
     status: StatusBoard,
 }
@@ -115,6 +118,10 @@ impl Health {
         self.clickhouse_ok.store(ok, Ordering::Relaxed);
     }
 
+    pub fn set_schema_registry(&self, ok: bool) {
+        self.schema_registry_down.store(!ok, Ordering::Relaxed);
+    }
+
     /// The state behind `/status.json`.
     pub fn status(&self) -> &StatusBoard {
         &self.status
@@ -130,6 +137,9 @@ impl Health {
         }
         if !self.clickhouse_ok.load(Ordering::Relaxed) {
             not.push("clickhouse unreachable");
+        }
+        if self.schema_registry_down.load(Ordering::Relaxed) {
+            not.push("schema registry unreachable: records wait for their schemas");
         }
         if not.is_empty() {
             Ok(())

@@ -12,9 +12,10 @@
 //! - [`config`], [`position`], [`sealing`]: typed settings; where a reader starts a
 //!   partition; when an hour is due for sealing, how a seal is versioned and how a read
 //!   splits into sealed and minute rows.
-//! - [`source`], [`sink`], [`cache`], [`dead_letter`], [`telemetry`], [`status`],
-//!   [`health`]: Kafka, ClickHouse, the Redis cache of dedup state, the dead-letter topic,
-//!   logs and metrics, what a member reports and the flags readiness is made of.
+//! - [`source`], [`schema_registry`], [`sink`], [`cache`], [`dead_letter`], [`telemetry`],
+//!   [`status`], [`health`]: Kafka, the Avro and Protobuf schemas by ID (fetched once and
+//!   kept), ClickHouse, the Redis cache of dedup state, the dead-letter topic, logs and
+//!   metrics, what a member reports and the flags readiness is made of.
 //! - [`pipeline`]: the stages' state and what they do to a poll batch (no I/O).
 //! - [`planner`], [`flusher`], [`seal`]: the look-ups that decide where readers start;
 //!   durable writes, then commits; the sealer's rounds, which compact settled minute rows
@@ -44,6 +45,7 @@ pub mod query;
 pub mod reconcile;
 pub mod replay;
 pub mod retry;
+pub mod schema_registry;
 pub mod seal;
 pub mod sealing;
 pub mod secrets;

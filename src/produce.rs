@@ -33,6 +33,9 @@ use rdkafka::message::{DeliveryResult, Message};
 use rdkafka::producer::{BaseRecord, Producer, ProducerContext, ThreadedProducer};
 use rdkafka::types::RDKafkaErrorCode;
 
+pub mod encode;
+pub use encode::{schema_text, write_schema_file, Encoding, UNKNOWN_SCHEMA_ID};
+
 use crate::aggregate::BucketKey;
 use crate::click::{Limits, Minute, RejectReason};
 use crate::config::KafkaSettings;
@@ -67,6 +70,10 @@ pub struct Spec {
     /// Event time of the first record (ms); send times spread over `span` from there.
     pub start_ms: i64,
     pub span: Duration,
+    /// JSON, or Avro or Protobuf in the wire format. The same seed gives the same
+    /// clicks, duplicates and ground truth in every encoding (the malformed records
+    /// differ: each encoding makes the reject classes it can have).
+    pub encoding: Encoding,
 }
 
 impl Default for Spec {
@@ -83,6 +90,7 @@ impl Default for Spec {
             retry_drift_ratio: 0.0,
             start_ms: 0,
             span: Duration::from_secs(600),
+            encoding: Encoding::Json,
         }
     }
 }
@@ -201,6 +209,18 @@ fn click_id(rng: &mut StdRng) -> String {
     format_click_id(click_id_bits(rng))
 }
 
+/// A click as `encoding` writes it.
+fn click_payload(encoding: Encoding, id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
+    match encoding {
+        Encoding::Json => click_json(id, ad_id, ts_ms, rng),
+        _ => {
+            // The draw JSON makes, so that every encoding of a seed has the same records.
+            let _ = rng.random_bool(0.5);
+            encode::click(encoding, id, ad_id, ts_ms)
+        }
+    }
+}
+
 fn click_json(id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
     // Alternate the two timestamp encodings and add an extra field the pipeline ignores.
     if rng.random_bool(0.5) {
@@ -213,8 +233,25 @@ fn click_json(id: &str, ad_id: u64, ts_ms: i64, rng: &mut StdRng) -> Vec<u8> {
 
 /// A record of the class `reason`, rejected under the default [`Limits`]: its payload
 /// and its Kafka timestamp (the send time, except where the class needs another).
-fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, i64) {
+fn malformed(encoding: Encoding, reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, i64) {
     let id = click_id(rng);
+    if encoding != Encoding::Json {
+        if let Some(payload) = encode::malformed_wire(encoding, reason, &id, send_ms) {
+            return (payload, send_ms);
+        }
+        let day = 86_400_000;
+        let (click_id, ts, record_ts) = match reason {
+            RejectReason::EmptyPayload => return (Vec::new(), send_ms),
+            // Protobuf does not send an empty string: the field is missing.
+            RejectReason::EmptyClickId | RejectReason::MissingField => (String::new(), send_ms, send_ms),
+            RejectReason::ClickIdTooLong => ("x".repeat(300), send_ms, send_ms),
+            RejectReason::TimestampAhead => (id, send_ms + day, send_ms),
+            RejectReason::TimestampBehind => (id, send_ms - 30 * day, send_ms),
+            RejectReason::TimestampOutOfRange => (id, ANCIENT_RECORD_MS - 2_000, ANCIENT_RECORD_MS),
+            other => unreachable!("{other} is not made for {encoding:?}"),
+        };
+        return (encode::click(encoding, &click_id, 12, ts), record_ts);
+    }
     let payload = match reason {
         RejectReason::MalformedJson => format!(r#"{{"click_id":"{id}","ad_id":12,"ts":"#).into_bytes(),
         RejectReason::MissingField => format!(r#"{{"click_id":"{id}","ts":{send_ms}}}"#).into_bytes(),
@@ -248,6 +285,9 @@ fn malformed(reason: RejectReason, send_ms: i64, rng: &mut StdRng) -> (Vec<u8>, 
         RejectReason::TimestampOutOfRange => {
             let payload = format!(r#"{{"click_id":"{id}","ad_id":12,"ts":{}}}"#, ANCIENT_RECORD_MS - 2_000);
             return (payload.into_bytes(), ANCIENT_RECORD_MS);
+        }
+        RejectReason::NotWireFormat | RejectReason::UnknownSchema | RejectReason::MalformedPayload => {
+            unreachable!("{reason} is no class of a JSON record")
         }
     };
     (payload, send_ms)
@@ -324,11 +364,12 @@ impl Iterator for Generator {
         let send_ms = spec.start_ms + (i as i64 * span_ms) / spec.count.max(1) as i64;
         let roll: f64 = rng.random();
         if roll < spec.malformed_ratio {
-            // Every class the decoder knows, in turn.
-            let reason = RejectReason::ALL[self.malformed % RejectReason::ALL.len()];
+            // Every class the decoder knows for this encoding, in turn.
+            let classes = encode::classes(spec.encoding);
+            let reason = classes[self.malformed % classes.len()];
             self.malformed += 1;
             *truth.malformed.entry(reason).or_default() += 1;
-            let (payload, timestamp_ms) = malformed(reason, send_ms, rng);
+            let (payload, timestamp_ms) = malformed(spec.encoding, reason, send_ms, rng);
             Some(Planned {
                 key: format!("bad-{i}"),
                 payload,
@@ -359,9 +400,9 @@ impl Iterator for Generator {
                         truth.drifted += 1;
                     }
                 }
-                (click_json(&id, ad_id, event_ts, rng), copy)
+                (click_payload(spec.encoding, &id, ad_id, event_ts, rng), copy)
             } else {
-                let payload = click_json(&id, ad_id, ts, rng);
+                let payload = click_payload(spec.encoding, &id, ad_id, ts, rng);
                 (payload, rng.random_bool(spec.cross_partition_ratio))
             };
             let key = if copy { format!("{id}#copy-{i}") } else { id };
@@ -377,7 +418,7 @@ impl Iterator for Generator {
             *truth.counts.entry(BucketKey { ad_id, minute }).or_default() += 1;
             truth.clicks += 1;
             truth.late += u64::from(late);
-            let payload = click_json(&id, ad_id, ts, rng);
+            let payload = click_payload(spec.encoding, &id, ad_id, ts, rng);
             self.sent.push((bits, ad_id, ts));
             Some(Planned {
                 key: id,
@@ -572,9 +613,58 @@ mod tests {
     /// generator makes every class the decoder knows.
     #[test]
     fn every_reject_class_is_generated() {
-        let (_, truth) = plan(&Spec { malformed_ratio: 0.05, ..spec() });
-        for reason in RejectReason::ALL {
-            assert!(truth.malformed.get(&reason).copied().unwrap_or(0) > 0, "no {reason} record: {}", truth.summary());
+        for encoding in
+            [Encoding::Json, Encoding::Avro { id: 3, revision: 1 }, Encoding::Protobuf { id: 3, revision: 2 }]
+        {
+            let (_, truth) = plan(&Spec { malformed_ratio: 0.05, encoding, ..spec() });
+            for &reason in encode::classes(encoding) {
+                let n = truth.malformed.get(&reason).copied().unwrap_or(0);
+                assert!(n > 0, "{encoding:?}: no {reason} record: {}", truth.summary());
+            }
+        }
+    }
+
+    /// Avro and Protobuf records of a seed are its JSON records re-encoded: the same
+    /// clicks and truth, and every record decodes (under the generator's schema, as a
+    /// member reads it) to what the truth says of it.
+    #[test]
+    fn wire_encodings_carry_the_same_clicks_and_truth_as_json() {
+        use crate::click::{decode_wire_with, Known, Schema, WireFormat};
+        let (_, json_truth) = plan(&spec());
+        for (encoding, format) in [
+            (Encoding::Avro { id: 3, revision: 1 }, WireFormat::Avro),
+            (Encoding::Avro { id: 4, revision: 2 }, WireFormat::Avro),
+            (Encoding::Protobuf { id: 3, revision: 1 }, WireFormat::Protobuf),
+            (Encoding::Protobuf { id: 4, revision: 2 }, WireFormat::Protobuf),
+        ] {
+            let (records, truth) = plan(&Spec { encoding, ..spec() });
+            assert_eq!(truth.counts, json_truth.counts, "{encoding:?}");
+            assert_eq!((truth.clicks, truth.duplicates), (json_truth.clicks, json_truth.duplicates));
+            let schema = Known::Schema(std::sync::Arc::new(
+                Schema::compile(format, &schema_text(encoding).unwrap().1, &[]).unwrap(),
+            ));
+            let unknown = Known::Unusable("no such ID".into());
+            let lookup = |id: u32| Some(if id == UNKNOWN_SCHEMA_ID { unknown.clone() } else { schema.clone() });
+            let mut seen = HashSet::new();
+            let mut recount: BTreeMap<BucketKey, u64> = BTreeMap::new();
+            let mut rejected: BTreeMap<RejectReason, u64> = BTreeMap::new();
+            for r in &records {
+                let payload = (!r.payload.is_empty()).then_some(r.payload.as_slice());
+                let id_of = |id: &str| id.to_string();
+                match decode_wire_with(format, payload, Some(r.timestamp_ms), &Limits::default(), lookup, id_of) {
+                    Ok(c) => {
+                        if seen.insert(c.click_id.clone()) {
+                            *recount.entry(BucketKey { ad_id: c.ad_id, minute: c.minute }).or_default() += 1;
+                        }
+                    }
+                    Err(rej) => {
+                        assert!(matches!(r.kind, Kind::Malformed(k) if k == rej.reason), "{:?} vs {rej}", r.kind);
+                        *rejected.entry(rej.reason).or_default() += 1;
+                    }
+                }
+            }
+            assert_eq!(recount, truth.counts, "{encoding:?}");
+            assert_eq!(rejected, truth.malformed, "{encoding:?}");
         }
     }
 

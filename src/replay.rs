@@ -260,7 +260,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     Ok(summary)
 }
 
-/// `s` with the window and validation limits of recorded `rules` (the fingerprint key
+/// `s` with the window, validation limits and reading of recorded `rules` (the fingerprint key
 /// and shard count only shape the cache, which a replay does not use).
 fn settings_of(s: &Settings, rules: &crate::dedup::Rules) -> Settings {
     let mut under = s.clone();
@@ -269,6 +269,9 @@ fn settings_of(s: &Settings, rules: &crate::dedup::Rules) -> Settings {
     under.validation.max_click_id_len = rules.max_click_id_len as usize;
     under.validation.max_future_skew = Duration::from_secs(rules.max_future_skew_secs);
     under.validation.max_lateness = Duration::from_secs(rules.max_lateness_secs);
+    under.source.format = rules.reading.format;
+    under.validation.fields = rules.reading.fields.clone();
+    under.validation.ts_unit = rules.reading.ts_unit;
     under
 }
 

@@ -8,6 +8,7 @@
 //! versioned rows make harmless.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -18,9 +19,10 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::click::{decode_with, Click, Limits, Rejection};
-use crate::config::{KafkaSettings, Settings};
+use crate::click::{decode_wire_with, decode_with, Click, Limits, Rejection, WireFormat};
+use crate::config::{ConfigError, Format, KafkaSettings, Settings};
 use crate::dedup::{Fingerprint, Fingerprinter};
+use crate::schema_registry::{RegistryError, SchemaRegistry};
 
 /// One consumed record, decoded. Only rejected records keep their raw bytes (for the
 /// dead-letter topic); valid ones keep just what the pipeline needs.
@@ -33,23 +35,79 @@ pub struct Record {
     pub outcome: Result<Click<Fingerprint>, Box<Rejected>>,
 }
 
-/// What decoding a record needs: the validation limits and the deployment's
-/// fingerprint key.
+/// What decoding a record needs: the validation limits, the deployment's fingerprint
+/// key and, for Avro and Protobuf, the schemas the records name.
 #[derive(Clone)]
 pub struct Decoder {
     pub limits: Limits,
     pub fingerprints: Fingerprinter,
+    /// The topic's wire format and its schemas (`None`: JSON).
+    pub schemas: Option<Arc<SchemaRegistry>>,
 }
 
 impl Decoder {
-    /// Decodes records as every reader does: these limits, this fingerprint key.
-    pub fn new(validation: &crate::config::ValidationSettings, fingerprint_key: &crate::config::Secret) -> Decoder {
-        Decoder { limits: validation.limits(), fingerprints: Fingerprinter::new(fingerprint_key.expose()) }
+    /// The decoder every reader of these settings uses (a member, a replay, reconcile):
+    /// these limits, this fingerprint key, this format (`source.format`) and its schemas.
+    pub fn from_settings(s: &Settings) -> Result<Decoder, ConfigError> {
+        let format = match s.source.format {
+            Format::Json => None,
+            Format::Avro => Some(WireFormat::Avro),
+            Format::Protobuf => Some(WireFormat::Protobuf),
+        };
+        let schemas = match format {
+            Some(f) => Some(Arc::new(SchemaRegistry::new(&s.source, f)?)),
+            None => None,
+        };
+        Ok(Decoder {
+            limits: s.validation.limits(),
+            fingerprints: Fingerprinter::new(s.dedup.fingerprint_key.expose()),
+            schemas,
+        })
     }
 
-    /// The decoder every reader of these settings uses: a member, a replay, reconcile.
-    pub fn from_settings(s: &Settings) -> Decoder {
-        Decoder::new(&s.validation, &s.dedup.fingerprint_key)
+    /// Makes sure the schema of every record among `payloads` is known, so that
+    /// [`Record::decode`] can decide each of them: an Avro or Protobuf topic asks the
+    /// registry for the IDs it has not seen, waiting out an outage (reported to `health`
+    /// as not ready) — a record is never a dead letter because the registry is away.
+    pub async fn resolve(
+        &self,
+        ids: Vec<u32>,
+        max_backoff: Duration,
+        shutdown: &tokio_util::sync::CancellationToken,
+        health: Option<&crate::health::Health>,
+    ) -> Result<(), crate::retry::Stopped<RegistryError>> {
+        let Some(registry) = &self.schemas else { return Ok(()) };
+        registry
+            .resolve(ids, max_backoff, shutdown, |outage| {
+                if let Some(h) = health {
+                    h.set_schema_registry(outage.is_none());
+                }
+            })
+            .await
+    }
+
+    /// The schema IDs the records among `payloads` name (none for JSON), for
+    /// [`Decoder::resolve`]: taken out first, so that no record is held across the wait.
+    pub fn schema_ids<'a>(&self, payloads: impl IntoIterator<Item = Option<&'a [u8]>>) -> Vec<u32> {
+        match &self.schemas {
+            None => Vec::new(),
+            Some(_) => payloads.into_iter().filter_map(crate::click::wire::schema_id).collect(),
+        }
+    }
+
+    /// Decides one record (its schema resolved first, see [`Decoder::resolve`]).
+    pub fn decode<Id>(
+        &self,
+        payload: Option<&[u8]>,
+        timestamp_ms: Option<i64>,
+        id_of: impl FnOnce(&str) -> Id,
+    ) -> Result<Click<Id>, Rejection> {
+        match &self.schemas {
+            None => decode_with(payload, timestamp_ms, &self.limits, id_of),
+            Some(registry) => {
+                decode_wire_with(registry.format(), payload, timestamp_ms, &self.limits, |id| registry.known(id), id_of)
+            }
+        }
     }
 }
 
@@ -66,7 +124,7 @@ impl Record {
     pub fn decode(msg: &BorrowedMessage<'_>, decoder: &Decoder) -> Record {
         let timestamp_ms = msg.timestamp().to_millis();
         let fingerprint = |id: &str| decoder.fingerprints.of(id);
-        let outcome = decode_with(msg.payload(), timestamp_ms, &decoder.limits, fingerprint).map_err(|rejection| {
+        let outcome = decoder.decode(msg.payload(), timestamp_ms, fingerprint).map_err(|rejection| {
             let headers = source_headers(msg);
             Box::new(Rejected {
                 rejection,
@@ -458,6 +516,21 @@ impl Ranges {
     }
 }
 
+/// The longest wait between two tries of a schema registry that is away, for readers
+/// that have no `pipeline.max_backoff` at hand.
+const RESOLVE_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Why a [`RangeReader`] could not go on.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    #[error(transparent)]
+    Schemas(RegistryError),
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
 /// Reads [`Ranges`] with a directly assigned consumer (no group membership, no
 /// commits) and yields decoded poll batches until every partition reached its end.
 pub struct RangeReader {
@@ -472,9 +545,9 @@ pub struct RangeReader {
 impl RangeReader {
     /// A reader of `ranges` for a process of `role` (`replay`, `reconcile`): a group name
     /// of its own (it commits nothing), the settings' decoder and poll size.
-    pub fn for_settings(s: &Settings, role: &str, ranges: &Ranges) -> Result<RangeReader, KafkaError> {
+    pub fn for_settings(s: &Settings, role: &str, ranges: &Ranges) -> Result<RangeReader, ReadError> {
         let group = format!("{}-{role}", s.kafka.group);
-        RangeReader::new(&s.kafka, &group, ranges, Decoder::from_settings(s), s.pipeline.max_poll_records)
+        Ok(RangeReader::new(&s.kafka, &group, ranges, Decoder::from_settings(s)?, s.pipeline.max_poll_records)?)
     }
 
     pub fn new(
@@ -513,8 +586,9 @@ impl RangeReader {
     }
 
     /// The next poll batch, or `None` when every range is read. Records past a
-    /// partition's end are dropped (and that partition is then done).
-    pub async fn next_batch(&mut self) -> Result<Option<Vec<Record>>, KafkaError> {
+    /// partition's end are dropped (and that partition is then done). A schema registry
+    /// outage is waited out (the caller's shutdown drops this future).
+    pub async fn next_batch(&mut self) -> Result<Option<Vec<Record>>, ReadError> {
         use futures_util::{FutureExt, StreamExt};
         let RangeReader { consumer, topic, open, decoder, max_records } = self;
         let finish = |open: &mut std::collections::BTreeMap<i32, (i64, i64)>, p: i32| {
@@ -532,7 +606,7 @@ impl RangeReader {
                 // Wait for the first record, but not forever: a quiet log still emits EOF.
                 match tokio::time::timeout(Duration::from_secs(30), stream.next()).await {
                     Ok(n) => n,
-                    Err(_) => return Err(KafkaError::MessageConsumption(RDKafkaErrorCode::RequestTimedOut)),
+                    Err(_) => return Err(KafkaError::MessageConsumption(RDKafkaErrorCode::RequestTimedOut).into()),
                 }
             } else {
                 match stream.next().now_or_never() {
@@ -548,6 +622,12 @@ impl RangeReader {
                         finish(open, p);
                         continue;
                     }
+                    let never = tokio_util::sync::CancellationToken::new();
+                    let ids = decoder.schema_ids([msg.payload()]);
+                    decoder.resolve(ids, RESOLVE_BACKOFF, &never, None).await.map_err(|stopped| match stopped {
+                        crate::retry::Stopped::Fatal(e) => ReadError::Schemas(e),
+                        crate::retry::Stopped::ShutDown => unreachable!("never cancelled"),
+                    })?;
                     out.push(Record::decode(&msg, decoder));
                     if msg.offset() + 1 >= end {
                         finish(open, p);
@@ -567,7 +647,7 @@ impl RangeReader {
                         break;
                     }
                 }
-                Some(Err(e)) => return Err(e),
+                Some(Err(e)) => return Err(e.into()),
                 None => break,
             }
         }

@@ -67,6 +67,10 @@ pub const REDIS_RETRIES: &str = "clickagg_redis_retries_total";
 pub const CLICKHOUSE_ERRORS: &str = "clickagg_clickhouse_errors_total";
 pub const CLICKHOUSE_RETRIES: &str = "clickagg_clickhouse_retries_total";
 pub const KAFKA_ERRORS: &str = "clickagg_kafka_errors_total";
+/// Schema registry requests that failed (an outage: retried, never a dead letter).
+pub const SCHEMA_REGISTRY_ERRORS: &str = "clickagg_schema_registry_errors_total";
+/// Schema IDs the registry answered (each once per process).
+pub const SCHEMAS_FETCHED: &str = "clickagg_schemas_fetched_total";
 /// The `op` label values of [`KAFKA_ERRORS`]: what the member was doing with Kafka.
 pub const KAFKA_OPS: [&str; 4] = ["client", "consume", "commit", "dead_letter"];
 pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
@@ -129,6 +133,8 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (CLICKHOUSE_ERRORS, Kind::Counter, "Failed ClickHouse flush attempts."),
     (CLICKHOUSE_RETRIES, Kind::Counter, "ClickHouse flush attempts retried after a transient error."),
     (KAFKA_ERRORS, Kind::Counter, "Kafka errors, by what the member was doing (client, consume, commit, dead_letter)."),
+    (SCHEMA_REGISTRY_ERRORS, Kind::Counter, "Schema registry requests that failed: an outage, waited out and retried, never a dead letter."),
+    (SCHEMAS_FETCHED, Kind::Counter, "Schema IDs looked up in the schema registry or the schema files, each once per process."),
     (BUCKETS_HELD, Kind::Gauge, "Changed count buckets held in memory until a flush makes them durable."),
     (PAUSED, Kind::Gauge, "1 while consumption is paused (Redis refusing claims, or too many unflushed buckets)."),
     (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
@@ -226,6 +232,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         CLICKHOUSE_ERRORS,
         CLICKHOUSE_RETRIES,
         SEAL_ERRORS,
+        SCHEMA_REGISTRY_ERRORS,
+        SCHEMAS_FETCHED,
     ] {
         metrics::counter!(name).absolute(0);
     }

@@ -14,6 +14,10 @@
 //!     the private dedup state of one partition (a member re-reading what the cache
 //!     cannot decide, a replay): N distinct clicks sighted within one window; bytes
 //!     per click held, from the process's resident memory
+//! clickagg-bench decode --records N --rounds R
+//!     the decoder alone, on the generator's records (clicks, duplicates, 1 % bad) in
+//!     JSON, Avro and Protobuf, fingerprint included, as a member decodes them: the
+//!     median over R rounds of the time per record, the formats interleaved per round
 //! ```
 //!
 //! `--redis-url` takes a comma-separated list of every node of a Redis Cluster too
@@ -85,6 +89,12 @@ enum Command {
         #[arg(long, default_value_t = 10_000_000)]
         clicks: u64,
     },
+    Decode {
+        #[arg(long, default_value_t = 200_000)]
+        records: u64,
+        #[arg(long, default_value_t = 9)]
+        rounds: usize,
+    },
 }
 
 #[tokio::main]
@@ -99,6 +109,67 @@ async fn main() -> anyhow::Result<()> {
             memory(redis_url, keys, layout).await
         }
         Command::PrivateMemory { clicks } => private_memory(clicks),
+        Command::Decode { records, rounds } => {
+            decode_costs(records, rounds);
+            Ok(())
+        }
+    }
+}
+
+/// The decoder's cost per record in each format (see the module's doc).
+fn decode_costs(records: u64, rounds: usize) {
+    if cfg!(debug_assertions) {
+        eprintln!("decode: a debug build; measure with `cargo build --release --bin clickagg-bench`");
+    }
+    use clickagg::click::{decode_wire_with, decode_with, Known, Limits, Schema, WireFormat};
+    use clickagg::produce::{plan, schema_text, Encoding, Spec};
+    let limits = Limits::default();
+    let fingerprints = Fingerprinter::new("bench-key");
+    let spec = Spec { count: records, start_ms: 1_764_489_600_000, ..Spec::default() };
+    let formats = [
+        ("json", Encoding::Json, None),
+        ("avro", Encoding::Avro { id: 1, revision: 2 }, Some(WireFormat::Avro)),
+        ("protobuf", Encoding::Protobuf { id: 1, revision: 2 }, Some(WireFormat::Protobuf)),
+    ];
+    let inputs: Vec<_> = formats
+        .iter()
+        .map(|&(name, encoding, wire)| {
+            let (planned, _) = plan(&Spec { encoding, ..spec.clone() });
+            let known = wire.map(|f| {
+                Known::Schema(std::sync::Arc::new(Schema::compile(f, &schema_text(encoding).unwrap().1, &[]).unwrap()))
+            });
+            (name, wire, known, planned)
+        })
+        .collect();
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); inputs.len()];
+    for _ in 0..rounds {
+        for (i, (_, wire, known, planned)) in inputs.iter().enumerate() {
+            let started = Instant::now();
+            let mut ok = 0u64;
+            for r in planned {
+                let payload = (!r.payload.is_empty()).then_some(r.payload.as_slice());
+                let id_of = |id: &str| fingerprints.of(id);
+                let outcome = match wire {
+                    None => decode_with(payload, Some(r.timestamp_ms), &limits, id_of),
+                    Some(f) => decode_wire_with(*f, payload, Some(r.timestamp_ms), &limits, |_| known.clone(), id_of),
+                };
+                ok += u64::from(outcome.is_ok());
+            }
+            samples[i].push(started.elapsed().as_secs_f64() * 1e9 / planned.len() as f64);
+            std::hint::black_box(ok);
+        }
+    }
+    for ((name, _, _, planned), mut s) in inputs.iter().zip(samples) {
+        s.sort_by(f64::total_cmp);
+        let bytes: usize = planned.iter().map(|r| r.payload.len()).sum();
+        println!(
+            "decode {name:<9} median {:>6.0} ns/record (min {:.0}, max {:.0}; {rounds} rounds of {} records, {:.0} bytes each)",
+            s[s.len() / 2],
+            s[0],
+            s[s.len() - 1],
+            planned.len(),
+            bytes as f64 / planned.len() as f64
+        );
     }
 }
 

@@ -182,6 +182,21 @@ pub struct ProduceArgs {
     /// Where to write the ground truth (CSV: ad_id,minute,clicks).
     #[arg(long, default_value = "truth.csv")]
     pub truth: PathBuf,
+    /// How to write the records: json, or avro / protobuf in the Confluent wire format
+    /// (magic byte, schema ID, then the payload). The same seed gives the same clicks
+    /// and ground truth in every format.
+    #[arg(long, default_value = "json")]
+    pub format: crate::config::Format,
+    /// The schema ID the avro / protobuf records name.
+    #[arg(long, default_value_t = 1)]
+    pub schema_id: u32,
+    /// Which of the generator's schemas: 1, or 2 (1 with a field added).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub schema_revision: u8,
+    /// Write the schema to this directory as `<schema-id>.avsc` / `.proto` (what
+    /// source.schema_files reads); a file already there must hold the same schema.
+    #[arg(long, value_name = "DIR")]
+    pub schema_dir: Option<PathBuf>,
     /// Add this run's counts to those already in --truth (if it exists), once every
     /// record is sent, instead of replacing them: for a topic that several runs write
     /// to, whose whole count `verify` then checks (the Docker Compose demo).

@@ -152,7 +152,18 @@ async fn produce(s: &Settings, a: ProduceArgs) -> Result<ExitCode> {
         retry_drift_ratio: a.retry_drift_ratio,
         start_ms,
         span: a.span.into(),
+        encoding: match a.format {
+            crate::config::Format::Json => produce::Encoding::Json,
+            crate::config::Format::Avro => produce::Encoding::Avro { id: a.schema_id, revision: a.schema_revision },
+            crate::config::Format::Protobuf => {
+                produce::Encoding::Protobuf { id: a.schema_id, revision: a.schema_revision }
+            }
+        },
     };
+    if let Some(dir) = &a.schema_dir {
+        produce::write_schema_file(dir, spec.encoding)
+            .with_context(|| format!("writing the schema to {}", dir.display()))?;
+    }
     let (records, truth) = produce::plan(&spec);
     let write_truth =
         |truth: &Truth| truth.write_csv(&a.truth).with_context(|| format!("writing {}", a.truth.display()));

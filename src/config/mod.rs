@@ -17,12 +17,12 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use figment::providers::{Env, Format, Serialized, Toml};
+use figment::providers::{Env, Format as _, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
 use crate::aggregate::BatchOffsets;
-use crate::click::Limits;
+use crate::click::{Fields, Limits, TsUnit};
 pub use crate::secrets::{redact_url, Secret, SecretUrl};
 pub use kafka::{KafkaSettings, SaslMechanism, SecurityProtocol, EXACTLY_ONCE_PROPERTIES};
 pub use redis::{RedisSettings, RedisWait};
@@ -31,6 +31,7 @@ pub use redis::{RedisSettings, RedisWait};
 #[serde(default, deny_unknown_fields)]
 pub struct Settings {
     pub kafka: KafkaSettings,
+    pub source: SourceSettings,
     pub redis: RedisSettings,
     pub dedup: DedupSettings,
     pub clickhouse: ClickHouseSettings,
@@ -224,6 +225,52 @@ impl Default for PipelineSettings {
     }
 }
 
+/// How the records of the topic are encoded: defined with the decoder, which it selects.
+pub use crate::click::Format;
+
+/// What the records of `kafka.topic` are.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SourceSettings {
+    pub format: Format,
+    pub schema_registry: SchemaRegistrySettings,
+    /// Instead of a registry: a directory of schemas named by ID (`<id>.avsc`,
+    /// `<id>.proto`; a Protobuf schema imports the other `.proto` files by name). A file,
+    /// once written, must never change, as a registry never changes an ID's schema.
+    pub schema_files: Option<PathBuf>,
+}
+
+/// The Confluent-compatible Schema Registry the Avro and Protobuf records' schema IDs
+/// refer to.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SchemaRegistrySettings {
+    /// Base URL of the Confluent API (`http://host:8081`; Apicurio serves it at
+    /// `…/apis/ccompat/v7`). `http://` or `https://`; may carry `user:password@`.
+    pub url: Option<SecretUrl>,
+    /// Basic-auth user, if not in the URL.
+    pub username: Option<String>,
+    pub password: Option<Secret>,
+    /// PEM file of the CA that signed the registry's certificate, for `https://` with a
+    /// private CA.
+    pub tls_ca_file: Option<PathBuf>,
+    /// One request's limit; a slower answer counts as an outage (retried).
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for SchemaRegistrySettings {
+    fn default() -> Self {
+        SchemaRegistrySettings {
+            url: None,
+            username: None,
+            password: None,
+            tls_ca_file: None,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct ValidationSettings {
@@ -235,6 +282,12 @@ pub struct ValidationSettings {
     /// How far an event's `ts` may be behind its Kafka record timestamp.
     #[serde(with = "humantime_serde")]
     pub max_lateness: Duration,
+    /// The unit of a numeric `ts`: `ms` (the default), `s`, `us`, or `auto` (by
+    /// magnitude: below 10^11 seconds, below 10^14 milliseconds, else microseconds).
+    pub ts_unit: TsUnit,
+    /// Where each field is: a dotted path (`event.id`) into nested objects, records or
+    /// messages.
+    pub fields: Fields,
 }
 
 impl Default for ValidationSettings {
@@ -245,6 +298,8 @@ impl Default for ValidationSettings {
             max_click_id_len: l.max_click_id_len,
             max_future_skew: l.max_future_skew,
             max_lateness: l.max_lateness,
+            ts_unit: l.ts_unit,
+            fields: l.fields,
         }
     }
 }
@@ -256,6 +311,8 @@ impl ValidationSettings {
             max_click_id_len: self.max_click_id_len,
             max_future_skew: self.max_future_skew,
             max_lateness: self.max_lateness,
+            fields: self.fields.clone(),
+            ts_unit: self.ts_unit,
         }
     }
 }
@@ -440,6 +497,7 @@ impl Settings {
             max_click_id_len: v.max_click_id_len as u64,
             max_future_skew_secs: v.max_future_skew.as_secs(),
             max_lateness_secs: v.max_lateness.as_secs(),
+            reading: crate::dedup::Reading { format: self.source.format, fields: v.fields.clone(), ts_unit: v.ts_unit },
         }
     }
 }

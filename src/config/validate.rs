@@ -79,6 +79,39 @@ impl Settings {
         if self.kafka.topic.is_empty() || self.kafka.group.is_empty() || self.kafka.brokers.is_empty() {
             problems.push("kafka.brokers, kafka.topic and kafka.group must not be empty".to_string());
         }
+        if let Some(conflict) = self.validation.fields.conflict() {
+            problems.push(conflict);
+        }
+        let registry = &self.source.schema_registry;
+        let files = self.source.schema_files.is_some();
+        if files && registry.url.is_some() {
+            problems.push("source.schema_files and source.schema_registry.url are both set: keep one".to_string());
+        }
+        match (&registry.url, self.source.format.uses_registry()) {
+            (None, true) if !files => problems.push(format!(
+                "source.format = \"{}\" needs source.schema_registry.url (or source.schema_files): the records \
+                 name their schema by its ID",
+                self.source.format
+            )),
+            (Some(url), _) => {
+                let scheme = url::Url::parse(url.expose()).ok().map(|u| u.scheme().to_string());
+                if !matches!(scheme.as_deref(), Some("http" | "https")) {
+                    problems.push(format!("source.schema_registry.url {url} must be an http:// or https:// URL"));
+                } else if registry.tls_ca_file.is_some() && scheme.as_deref() != Some("https") {
+                    problems.push(
+                        "source.schema_registry.tls_ca_file is set but source.schema_registry.url is not https://"
+                            .to_string(),
+                    );
+                }
+            }
+            (None, _) => {}
+        }
+        if registry.password.is_some() && registry.username.is_none() {
+            problems.push("source.schema_registry.password needs source.schema_registry.username".to_string());
+        }
+        if registry.timeout.is_zero() {
+            problems.push("source.schema_registry.timeout must be longer than 0".to_string());
+        }
         if self.dead_letter.enabled && self.dead_letter_topic() == self.kafka.topic {
             problems.push("dead_letter.topic must differ from kafka.topic".to_string());
         }
@@ -250,6 +283,42 @@ mod tests {
         );
         let s = Settings::load_with_vars(None, vec![], [("CLICKAGG__CLICKHOUSE__CLUSTER", "c")]).unwrap();
         assert_eq!(s.clickhouse.quorum(), 2, "a cluster's inserts wait for two replicas by default");
+    }
+
+    #[test]
+    fn the_reading_settings_load_from_the_environment_and_contradictions_are_refused() {
+        let vars = [
+            ("CLICKAGG__SOURCE__FORMAT", "protobuf"),
+            ("CLICKAGG__SOURCE__SCHEMA_REGISTRY__URL", "http://u:hunter2@127.0.0.1:8081/apis/ccompat/v7"),
+            ("CLICKAGG__VALIDATION__TS_UNIT", "auto"),
+            ("CLICKAGG__VALIDATION__FIELDS__CLICK_ID", "event.id"),
+            ("CLICKAGG__VALIDATION__FIELDS__AD_ID", "ad.id"),
+            ("CLICKAGG__VALIDATION__FIELDS__TS", "meta.time"),
+        ];
+        let s = Settings::load_with_vars(None, vec![], vars).unwrap();
+        assert_eq!(s.source.format, super::super::Format::Protobuf);
+        assert_eq!(s.validation.ts_unit, crate::click::TsUnit::Auto);
+        assert_eq!(s.validation.fields.ad_id.segments(), ["ad", "id"]);
+        assert!(!s.to_redacted_toml().contains("hunter2"));
+        assert!(s.to_redacted_toml().contains("ts_unit = \"auto\""));
+
+        let refused = |vars: &[(&str, &str)], says: &str| {
+            let e = Settings::load_with_vars(None, vec![], vars.iter().copied()).unwrap_err().to_string();
+            assert!(e.contains(says), "{says} in {e}");
+        };
+        refused(&[("CLICKAGG__SOURCE__FORMAT", "avro")], "needs source.schema_registry.url");
+        refused(&[("CLICKAGG__SOURCE__FORMAT", "xml")], "source.format");
+        refused(&[("CLICKAGG__VALIDATION__TS_UNIT", "ns")], "validation.ts_unit");
+        refused(&[("CLICKAGG__VALIDATION__FIELDS__TS", "a..b")], "not a field path");
+        refused(
+            &[("CLICKAGG__VALIDATION__FIELDS__TS", "ad"), ("CLICKAGG__VALIDATION__FIELDS__AD_ID", "ad.id")],
+            "overlap",
+        );
+        refused(&[("CLICKAGG__SOURCE__SCHEMA_REGISTRY__URL", "ftp://x")], "http:// or https://");
+        refused(
+            &[("CLICKAGG__SOURCE__SCHEMA_REGISTRY__PASSWORD", "p")],
+            "source.schema_registry.password needs source.schema_registry.username",
+        );
     }
 
     #[test]

@@ -50,4 +50,4 @@ mod model;
 pub use clock::{Checkpoint, PartitionClock, Secs, CLOCK_JUMP};
 pub use decide::{decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
 pub use fingerprint::{Fingerprint, Fingerprinter};
-pub use rules::Rules;
+pub use rules::{Reading, Rules};

@@ -1,5 +1,6 @@
 //! The settings that decide which clicks count (README, "What counts"): the window, the
-//! fingerprint key, the shard count and the validation limits. They are part of the
+//! fingerprint key, the shard count, the validation limits and how a record is read
+//! (format, field paths, timestamp unit). They are part of the
 //! definition, as the batch size is part of every batch's identity: a reader with other
 //! values decides differently, so they are recorded per topic (`clickagg_settings`)
 //! and every member must run with the ones recorded; `clickagg settings change`
@@ -22,6 +23,26 @@ pub struct Rules {
     pub max_click_id_len: u64,
     pub max_future_skew_secs: u64,
     pub max_lateness_secs: u64,
+    /// Left out of the record while it is the default, so that a topic recorded before
+    /// these settings existed records (and tags its cache) exactly as before.
+    #[serde(default, skip_serializing_if = "Reading::is_default")]
+    pub reading: Reading,
+}
+
+/// How a record is read: its encoding, where its fields are, the unit of a numeric
+/// event time. Another value reads the same bytes as other clicks.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Reading {
+    pub format: crate::click::Format,
+    pub fields: crate::click::Fields,
+    pub ts_unit: crate::click::TsUnit,
+}
+
+impl Reading {
+    pub fn is_default(&self) -> bool {
+        *self == Reading::default()
+    }
 }
 
 impl Rules {
@@ -69,6 +90,17 @@ impl Rules {
         check("validation.max_click_id_len", self.max_click_id_len.to_string(), recorded.max_click_id_len.to_string());
         check("validation.max_future_skew", secs(self.max_future_skew_secs), secs(recorded.max_future_skew_secs));
         check("validation.max_lateness", secs(self.max_lateness_secs), secs(recorded.max_lateness_secs));
+        let (ours, theirs) = (&self.reading, &recorded.reading);
+        check("source.format", ours.format.to_string(), theirs.format.to_string());
+        for ((name, mine), (_, recorded)) in ours.fields.named().into_iter().zip(theirs.fields.named()) {
+            let setting = match name {
+                "click_id" => "validation.fields.click_id",
+                "ad_id" => "validation.fields.ad_id",
+                _ => "validation.fields.ts",
+            };
+            check(setting, mine.to_string(), recorded.to_string());
+        }
+        check("validation.ts_unit", ours.ts_unit.to_string(), theirs.ts_unit.to_string());
         out
     }
 }
@@ -86,7 +118,25 @@ mod tests {
             max_click_id_len: 128,
             max_future_skew_secs: 300,
             max_lateness_secs: 21_600,
+            reading: Reading::default(),
         }
+    }
+
+    #[test]
+    fn the_default_reading_is_recorded_as_before_and_another_is_named() {
+        let json = serde_json::to_string(&rules()).unwrap();
+        assert!(!json.contains("reading"), "{json}");
+        let old: Rules = serde_json::from_str(&json).unwrap();
+        assert_eq!(old, rules(), "a record without the reading reads as the default");
+        let mut avro = rules();
+        avro.reading.format = crate::click::Format::Avro;
+        avro.reading.ts_unit = crate::click::TsUnit::Auto;
+        avro.reading.fields.ad_id = crate::click::FieldPath::parse("ad.id").unwrap();
+        let back: Rules = serde_json::from_str(&serde_json::to_string(&avro).unwrap()).unwrap();
+        assert_eq!(back, avro);
+        let names: Vec<&str> = avro.differences(&rules()).iter().map(|d| d.0).collect();
+        assert_eq!(names, ["source.format", "validation.fields.ad_id", "validation.ts_unit"]);
+        assert_ne!(avro.tag(), rules().tag());
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -70,7 +71,7 @@ impl Loop<'_> {
         // in this order. Two at most: one being decided while the next is decoded.
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
-        let decoder = crate::source::Decoder::from_settings(s);
+        let decoder = crate::source::Decoder::from_settings(s)?;
         // Set when a claim found the dedup cache lost: no more batches are read until
         // those in flight are answered, then every partition starts over.
         let mut lost: Option<Lost> = None;
@@ -138,6 +139,13 @@ impl Loop<'_> {
                     clock.mark("waiting_for_kafka");
                     let Some(chunk) = chunk else { return Ok(()) };
                     metrics::histogram!(t::POLL_BATCH_RECORDS).record(chunk.len() as f64);
+                    // Avro and Protobuf: the schemas this batch names, before any is decoded
+                    // (a registry outage waits here, consumption paused with it).
+                    let ids = decoder.schema_ids(chunk.iter().flatten().map(|m| m.payload()));
+                    decoder
+                        .resolve(ids, s.pipeline.max_backoff, shutdown, Some(self.health))
+                        .await
+                        .map_err(|stopped| stopped_while(stopped.map(|e| PipelineError::Fatal(e.to_string())), "fetching schemas"))?;
                     let mut records = Vec::with_capacity(chunk.len());
                     for message in chunk {
                         match message {

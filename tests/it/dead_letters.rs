@@ -76,7 +76,7 @@ async fn malformed_json_is_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_field_of_the_wrong_type_is_dead_lettered() {
     rejects("dl_type", RejectReason::WrongType, |ts| {
-        format!(r#"{{"click_id":"x","ad_id":"7","ts":{ts}}}"#).into_bytes()
+        format!(r#"{{"click_id":"x","ad_id":"seven","ts":{ts}}}"#).into_bytes()
     })
     .await;
 }

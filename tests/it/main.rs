@@ -10,6 +10,7 @@ mod dedup_cache;
 mod deploy;
 mod exactly_once;
 mod faults;
+mod formats;
 mod helpers;
 mod operability;
 mod query;

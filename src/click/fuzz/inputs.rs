@@ -319,7 +319,13 @@ pub(super) fn valid_fields(rng: &mut SmallRng, limits: &Limits, record_ts: Optio
 
 /// The three fields as JSON members.
 pub(super) fn members(rng: &mut SmallRng, f: &Fields) -> Vec<(&'static str, String)> {
-    vec![("click_id", escaped(rng, &f.click_id)), ("ad_id", f.ad_id.to_string()), ("ts", any_ts(rng, f.ts_ms))]
+    // An ad ID as a JSON integer, or as a string of its digits (leading zeros too).
+    let ad_id = match rng.random_range(0..4) {
+        0 => format!("\"{}\"", f.ad_id),
+        1 => format!("\"{}{}\"", "0".repeat(rng.random_range(1..4)), f.ad_id),
+        _ => f.ad_id.to_string(),
+    };
+    vec![("click_id", escaped(rng, &f.click_id)), ("ad_id", ad_id), ("ts", any_ts(rng, f.ts_ms))]
 }
 
 /// A record made to be of `class`: a valid click, or a valid click but for one defect.
@@ -389,7 +395,21 @@ pub(super) fn classed(rng: &mut SmallRng, class: Option<RejectReason>) -> Case {
             let field = rng.random_range(0..4);
             let wrong: &[&str] = match field {
                 0 => &["1", "true", "null", "[\"c\"]", "{\"id\":\"c\"}", "1.5"],
-                1 => &["\"7\"", "-1", "1.5", "1e3", "18446744073709551616", "true", "null", "[]", "{}"],
+                1 => &[
+                    "\"7x\"",
+                    "\"\"",
+                    "\"-7\"",
+                    "\" 7\"",
+                    "\"18446744073709551616\"",
+                    "-1",
+                    "1.5",
+                    "1e3",
+                    "18446744073709551616",
+                    "true",
+                    "null",
+                    "[]",
+                    "{}",
+                ],
                 2 => &[
                     "true",
                     "null",
@@ -432,6 +452,7 @@ pub(super) fn classed(rng: &mut SmallRng, class: Option<RejectReason>) -> Case {
             f.ts_ms = r - limits.max_lateness.as_millis() as i64 - beyond;
             Some(text(rng, &f).into_bytes())
         }
+        Some(R::NotWireFormat | R::UnknownSchema | R::MalformedPayload) => unreachable!("not a class of JSON"),
         Some(R::TimestampOutOfRange) => {
             let skew = limits.max_future_skew.as_millis() as i64;
             let late = limits.max_lateness.as_millis() as i64;

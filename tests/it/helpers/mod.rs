@@ -7,6 +7,7 @@
 //! - [`stack`]: private service instances a fault test may stop (`PrivateStack`);
 //! - [`kafka`]: reading topics and group offsets back;
 //! - [`http`]: the member's HTTP endpoints and the metrics text;
+//! - [`registry`]: the schema registry, registering the generator's schemas;
 //! - [`wait`]: the one way to wait for a condition (`wait_until`);
 //! - [`cache_model`]: the Rust model of the Redis dedup cache, to compare `claim.lua` with;
 //! - [`cluster`]: the cluster stack (`scripts/stack up cluster`) and its nodes.
@@ -20,6 +21,7 @@ pub mod env;
 pub mod http;
 pub mod kafka;
 pub mod process;
+pub mod registry;
 pub mod stack;
 pub mod wait;
 
