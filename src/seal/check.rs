@@ -1,6 +1,8 @@
 //! Whether the sealed hours and days say what the minute rows say: for the chaos run's
 //! report and the tests. Every hour and day with a seal record is compared (read
-//! through `FINAL` on both sides, an ad with 0 clicks counting as absent).
+//! through `FINAL` on both sides, an ad with 0 clicks counting as absent). The sealed
+//! buckets are a `GLOBAL IN` subquery: on a cluster every table read is a Distributed
+//! one, and ClickHouse refuses a plain `IN` over one inside a query over another.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -32,7 +34,7 @@ pub async fn agreement(sink: &Sink, topic: &str) -> Result<Agreement, SinkError>
             sink,
             &format!(
                 "SELECT ad_id, toUInt32({start}(minute)) AS t, sum(clicks) FROM {TABLE} FINAL \
-                 WHERE topic = {t} AND {start}(minute) IN ({sealed_buckets}) GROUP BY ad_id, t"
+                 WHERE topic = {t} AND {start}(minute) GLOBAL IN ({sealed_buckets}) GROUP BY ad_id, t"
             ),
         )
         .await?;
@@ -40,7 +42,7 @@ pub async fn agreement(sink: &Sink, topic: &str) -> Result<Agreement, SinkError>
             sink,
             &format!(
                 "SELECT ad_id, toUInt32({time}) AS t, sum(clicks) FROM {table} FINAL \
-                 WHERE topic = {t} AND {time} IN ({sealed_buckets}) GROUP BY ad_id, t"
+                 WHERE topic = {t} AND {time} GLOBAL IN ({sealed_buckets}) GROUP BY ad_id, t"
             ),
         )
         .await?;
