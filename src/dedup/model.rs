@@ -762,15 +762,17 @@ fn a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a reader's lookback starts at the latest recorded
+// Regression (a defect this model found, fixed): guards that a lookback takes a pending
+// jump into account. A reader's lookback starts at the latest recorded
 // boundary whose clock lies more than a window before the clock where it counts from
-// (`planner::marks`, `clock_before_time`: `clock < ?`), but the record just before a
+// (`planner::marks`, `clock_before_time`: it used to check only `clock < ?`), but the record just before a
 // boundary may be one stamped more than an hour ahead and not yet confirmed (the first
 // record after a quiet stretch), judged at its own timestamp (the checkpoint's
 // `pending`), not at the clock. When the next record confirms the jump, that record is
 // within the window of what follows, yet it lies before the lookback: a reader starting
 // there (a warm-up after a lost cache or a reset, a replay, reconcile, a fall-back to
-// private state) misses it and counts its retry again.
+// private state) missed it and counted its retry again. Now the checkpoint's pending
+// time must lie before the lookback's limit too.
 #[test]
 fn a_lookback_that_starts_just_after_a_record_judged_ahead_misses_it() {
     // Window 10, batches of 2: click 7 at 0; after a quiet stretch, click 9 at 4 000 ends

@@ -227,7 +227,7 @@ impl World {
             self.clocks
                 .range((p, 0)..=(p, to))
                 .rev()
-                .find(|(_, c)| below.is_none_or(|b| c.get().is_none_or(|t| t < b)))
+                .find(|(_, c)| below.is_none_or(|b| c.get().is_none_or(|t| t < b) && c.pending().is_none_or(|t| t < b)))
                 .map(|(&(_, b), &c)| (b, c))
         };
         let near = recorded(boundary, None).unwrap_or(log_start);
