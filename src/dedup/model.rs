@@ -32,8 +32,7 @@
 //!   every partition with a click (`log::LAST_IDS`);
 //! - a last member stuck waiting is followed by a wipe and another; stuck again, the case
 //!   is not checked (counted in the summary line);
-//! - the sweeper runs only while every partition's readers gave their holds in its
-//!   namespace; a failover loses a call only where its caller can tell;
+//! - a failover loses a call only where its caller can tell;
 //! - a table rebuild stops the replays still running;
 //! - rows decided under settings that no longer hold, which nothing replaced, are left
 //!   out with the clicks they stand in for;
@@ -353,15 +352,10 @@ impl Run {
                     member.give_holds(w);
                 }
                 let Some(i) = pick(&self.members, *m) else { return };
-                // Only while every partition's readers have given their holds in the
-                // namespace swept: the defects `holds_given_before_a_lost_cache_*` and
-                // `a_member_sweeps_before_it_gives_*` show what a sweep does otherwise (and
-                // a partition nobody reads holds nothing).
-                let ns = self.members[i].ns();
-                let held = (0..w.partitions()).all(|p| {
-                    let readers: Vec<&Member> = self.members.iter().filter(|m| m.owns(p)).collect();
-                    !readers.is_empty() && readers.iter().all(|m| m.holds_in == Some(ns))
-                });
+                // Only while every partition has a reader, as in a consumer group, which
+                // assigns every partition to a live member (a partition nobody reads holds
+                // nothing).
+                let held = (0..w.partitions()).all(|p| self.members.iter().any(|m| m.owns(p)));
                 if held {
                     self.members[i].sweep(w);
                 }
@@ -823,13 +817,15 @@ fn a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click() {
     assert_eq!(run.w.billing(Grain::Minute).get(&(0, minute)), Some(&4), "clicks 1000, 20, 21 and 8");
 }
 
-// PRODUCT DEFECT (found by this model): holds live in the namespace (`holds_key`), and a
-// member gives them from its loop's tick (every `HOLDS_EVERY`), only when they changed
+// Regression (a defect this model found, fixed): guards that holds are given again in a
+// new namespace. Holds live in the namespace (`holds_key`), and a
+// member gave them from its loop's tick (every `HOLDS_EVERY`), only when they changed
 // since it last gave them (`Loop::give_holds` compares with `self.holds`, which nothing
-// resets when the namespace changes). After the member moves the cache to a new
-// namespace, its sweeper (which runs every second) sweeps the new one without the holds
-// until they change and a tick gives them — and the sightings the warm-up rebuilt for a
-// lagging reader go. (The same race as at start-up, below.)
+// reset when the namespace changed). After the member moved the cache to a new
+// namespace, its sweeper (which runs every second) swept the new one without the holds
+// until they changed and a tick gave them — and the sightings the warm-up rebuilt for a
+// lagging reader went. Now `Loop::start_over` forgets the holds given and gives them
+// again at once.
 #[test]
 fn holds_given_before_a_lost_cache_are_not_given_again_in_the_new_namespace() {
     // Click 1000 sent to both partitions at 0.
@@ -852,12 +848,15 @@ fn holds_given_before_a_lost_cache_are_not_given_again_in_the_new_namespace() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a member starts its sweeper before it joins the
-// group (`Member::run`), and gives the holds of its lagging readers only from its loop,
+// Regression (a defect this model found, fixed): guards that a member gives its holds
+// before its sweeper's first walk. A member started its sweeper before it joined the
+// group (`Member::run`), and gave the holds of its lagging readers only from its loop,
 // every `HOLDS_EVERY` (the first after 5 s). A group that comes back after an outage
 // longer than `dedup.window + dedup.max_record_lag` — its readers were not lagging when
-// it went down, so no hold is left — is swept before it says what it needs: the sightings
-// before the outage go, and retries of the clicks just before it count again.
+// it went down, so no hold is left — was swept before it said what it needs: the
+// sightings before the outage went, and retries of the clicks just before it counted
+// again. Now the sweeper waits for the holds of the first assignment, which the loop
+// gives at once (and again whenever the partitions it reads change).
 #[test]
 fn a_member_sweeps_before_it_gives_the_holds_of_its_lagging_readers() {
     // Click 7 at 0, its retry at 5; batches of 2.

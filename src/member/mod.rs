@@ -104,10 +104,12 @@ impl Member {
             started => started?,
         };
         let sweeper = CancellationToken::new();
+        let holds_given = CancellationToken::new();
         tokio::spawn(crate::cache::sweeper::sweep_forever(
             cache.handle(),
             s.dedup_window(),
             s.dedup.max_record_lag,
+            holds_given.clone(),
             sweeper.clone(),
         ));
         let dead_letters = if s.dead_letter.enabled {
@@ -166,6 +168,7 @@ impl Member {
             health: &self.health,
             paused: &paused,
             holds: BTreeMap::new(),
+            holds_given,
             rewound: BTreeMap::new(),
             max_backoff: s.pipeline.max_backoff,
             max_unflushed: s.pipeline.max_unflushed_buckets,

@@ -609,9 +609,6 @@ pub struct Member {
     position: BTreeMap<i32, i64>,
     /// The holds last given to the sweeper.
     holds: BTreeMap<i32, Option<Secs>>,
-    /// The model's note (not the member's): the namespace where the holds of its current
-    /// readers were given, if they were.
-    pub holds_in: Option<Ns>,
     /// Whether the broker takes its commits (a zombie's are refused once it is fenced).
     pub commits_taken: bool,
 }
@@ -634,13 +631,15 @@ impl Member {
             owned: BTreeSet::new(),
             position: BTreeMap::new(),
             holds: BTreeMap::new(),
-            holds_in: None,
             commits_taken: true,
         };
         match m.plan(w, partitions) {
             Ok(starts) => {
                 m.assign(starts);
                 m.owned.extend(partitions);
+                // The loop gives the holds of its first assignment at once; the sweeper's
+                // first walk waits for them.
+                m.give_holds(w);
                 Some(m)
             }
             // `GroupContext::plan` retries this forever: the member never reads.
@@ -703,7 +702,6 @@ impl Member {
     }
 
     fn assign(&mut self, starts: Planned) {
-        self.holds_in = None;
         for (start, _, _) in &starts {
             self.position.insert(start.partition, start.read_from);
         }
@@ -726,7 +724,6 @@ impl Member {
         if holds != self.holds && !holds.is_empty() {
             w.redis.set_holds(self.ns, &holds);
             self.holds = holds;
-            self.holds_in = Some(self.ns);
         }
     }
 
@@ -914,7 +911,6 @@ impl Member {
         reader.commit_floor = reader.commit_floor.max(floor);
         self.st.readers.insert(p, reader);
         self.position.insert(p, start.read_from);
-        self.holds_in = None;
         Ok(())
     }
 
@@ -935,6 +931,10 @@ impl Member {
                 Ok(starts) => {
                     self.assign(starts);
                     self.owned = partitions.into_iter().collect();
+                    // The holds given in the old namespace are not in the new one: given
+                    // again at once.
+                    self.holds.clear();
+                    self.give_holds(w);
                     return Fate::Alive;
                 }
                 Err(again) => lost = again,
@@ -1022,10 +1022,6 @@ impl Member {
             self.position.remove(&p);
         }
         self.owned = self.st.readers.keys().copied().collect();
-    }
-
-    pub fn ns(&self) -> Ns {
-        self.ns
     }
 
     /// Whether this member's claim task would find that key group `g` lost writes if the
