@@ -875,13 +875,14 @@ fn a_member_sweeps_before_it_gives_the_holds_of_its_lagging_readers() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): after a lost cache the member fences its flusher
-// — flushes cut before commit nothing, but their rows *and pins* are still written — and
-// plans every partition again at once (`Loop::start_over`), loading the recorded pins
-// before those flushes are written. A copy decided again in the new namespace can then
-// count while the pin of its earlier decision (a duplicate of another copy, which is
-// decided again too) lands afterwards: the next re-read applies both pins, and no copy
-// counts.
+// Regression (a defect this model found, fixed): guards that a member starting over
+// waits for its fenced flushes before it plans. After a lost cache the member fences its
+// flusher — flushes cut before commit nothing, but their rows *and pins* are still
+// written — and planned every partition again at once (`Loop::start_over`), loading the
+// recorded pins before those flushes were written. A copy decided again in the new
+// namespace could then count while the pin of its earlier decision (a duplicate of
+// another copy, which is decided again too) landed afterwards: the next re-read applied
+// both pins, and no copy counted. Now `Loop::start_over` waits for `Flusher::settle`.
 #[test]
 fn a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again() {
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);

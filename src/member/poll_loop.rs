@@ -177,8 +177,9 @@ impl Loop<'_> {
 
     /// After a claim found the dedup cache lost: moves to a new namespace (or the one
     /// another member already moved to), fences the flusher (flushes cut so far commit
-    /// nothing) and starts every partition over from its committed offset, rebuilding
-    /// its state in the new namespace.
+    /// nothing), waits until those flushes are written (their pins with them), and starts
+    /// every partition over from its committed offset, rebuilding its state in the new
+    /// namespace.
     pub(super) async fn start_over(
         &mut self,
         lost: &Lost,
@@ -188,6 +189,12 @@ impl Loop<'_> {
         warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
         self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
         self.flusher.fence();
+        // The fenced flushes write their rows and pins first: planning loads the pins, and
+        // one written after it would contradict a decision made again in the new namespace.
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(PipelineError::ShutDown("writing the flushes cut before the loss".into())),
+            _ = self.flusher.settle() => {}
+        }
         let mut retry = Retry::new(max_backoff, shutdown);
         loop {
             let attempt = async {

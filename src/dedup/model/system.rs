@@ -95,7 +95,7 @@ pub struct World {
     /// The wall clock (s).
     pub wall: Secs,
     /// The cross-partition clicks the defects `World::warms_up`, `World::resets_to` and
-    /// `World::fenced_pins` name meet.
+    /// `World::orphan_pins` name meet.
     pub exposed: BTreeSet<u32>,
     /// Per partition, the offsets group resets moved past that no member read since.
     pub skipped: BTreeMap<i32, BTreeSet<i64>>,
@@ -173,10 +173,12 @@ impl World {
         }
     }
 
-    /// A flush fenced after a lost cache writes pins decided in it: the copies of those
-    /// clicks meet the defect `a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again`.
-    fn fenced_pins(&mut self, pins: &[crate::aggregate::PinRow]) {
-        for pin in pins {
+    /// A member whose assignment was lost still writes the pins of a flush it cut before:
+    /// if the cache was lost meanwhile, the new owner planned without them and may
+    /// decide those copies otherwise (a defect the model found, not fixed yet: the
+    /// member cannot tell; see the summary in `model.rs`). Their clicks are held loosely.
+    fn orphan_pins(&mut self, pins: &[crate::aggregate::PinRow], owned: &BTreeSet<i32>) {
+        for pin in pins.iter().filter(|pin| !owned.contains(&pin.partition)) {
             let at = (pin.partition as usize, pin.offset as usize);
             if let Some(c) = self.log.cross.iter().find(|c| c.copies.contains(&at)) {
                 self.exposed.insert(c.id);
@@ -920,6 +922,13 @@ impl Member {
         add(if lost.frontier { &coverage::LOST_FRONTIER } else { &coverage::LOST_NAMESPACE }, 1);
         add(&coverage::START_OVERS, 1);
         self.fence += 1;
+        // `Flusher::settle`: the fenced flushes are written (rows and pins, no commit)
+        // before the partitions are planned again.
+        while self.has_queued() {
+            if self.flush_one(w, None) == Fate::Dead {
+                return Fate::Dead;
+            }
+        }
         for _ in 0..4 {
             match w.redis.recover(self.ns, &lost) {
                 Recovered::Fatal => return Fate::Dead,
@@ -963,15 +972,15 @@ impl Member {
         if let Some(stages) = crash_after {
             add(&coverage::MID_FLUSH_CRASHES, 1);
             w.write(&job, Writer::Member, self.ns.tag, stages);
-            if fence != self.fence && stages >= 1 {
-                w.fenced_pins(&job.flush.pins);
+            if stages >= 1 {
+                w.orphan_pins(&job.flush.pins, &self.owned);
             }
             return Fate::Dead;
         }
         w.write(&job, Writer::Member, self.ns.tag, 5);
+        w.orphan_pins(&job.flush.pins, &self.owned);
         if fence != self.fence {
             add(&coverage::FENCED, 1);
-            w.fenced_pins(&job.flush.pins);
             return Fate::Alive;
         }
         let commits: BTreeMap<i32, i64> =
