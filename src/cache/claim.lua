@@ -327,7 +327,11 @@ end
 -- `boundary` after a warm-up from `lookback`: unless the frontier is already past the
 -- lookback, what lies before the lookback is unknown, so re-reads are exact only from
 -- the boundary on, and the partition is not ready until the warm-up reaches it. A
--- partition the namespace never saw gets its frontier here, so that others know it.
+-- frontier at or past the lookback but short of the boundary keeps what it claimed,
+-- but the partition is not ready either until the warm-up reaches the boundary (nobody
+-- decided what lies between: offsets moved forward, a zombie committed past it), and
+-- re-reads below the boundary are no longer exact. A partition the namespace never saw
+-- gets its frontier here, so that others know it.
 -- Returns 1 when it restarted the partition, 0 when the cache was past the lookback,
 -- or the LOST answer of `claim`.
 local function restart(keys, args)
@@ -336,8 +340,13 @@ local function restart(keys, args)
   local p, lookback, boundary = args[2], tonumber(args[3]), tonumber(args[4])
   local v = redis.call('HGET', keys[2], p)
   if v then
-    local next_ = struct.unpack(FRONTIER, v)
-    if next_ >= lookback then return 0 end
+    local next_, clock, ex = struct.unpack(FRONTIER, v)
+    if next_ >= lookback then
+      if next_ < boundary and ex < boundary then
+        redis.call('HSET', keys[2], p, struct.pack(FRONTIER, next_, clock, boundary))
+      end
+      return 0
+    end
   end
   redis.call('HSET', keys[2], p, struct.pack(FRONTIER, lookback, 0, boundary))
   return 1

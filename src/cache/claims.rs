@@ -313,7 +313,7 @@ impl SharedCache {
     }
 
     /// Before a reader counts `partition` from `boundary` after a warm-up from
-    /// `lookback`: unless the cache is already past the lookback, its re-reads are
+    /// `lookback`: unless the cache already reached the boundary, its re-reads are
     /// decided only from `boundary` on (`claim.lua`, `restart`), in every key group, and
     /// the partition is not ready until the warm-up reaches the boundary. A partition
     /// the namespace never saw gets its frontier here, so that others wait for it.

@@ -908,14 +908,20 @@ fn a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again() {
     assert_eq!(run.check_strictly(), Vec::<String>::new(), "pins {:?}", run.w.pins);
 }
 
-// PRODUCT DEFECT (found by this model): claim.lua's `restart` leaves a partition alone when
-// its frontier already reaches the lookback (`next_ >= lookback`), even when it is short
-// of the boundary the warm-up counts from: the partition stays "ready", so other
-// partitions decide new copies while its warm-up has not claimed them yet. And a warm-up
-// claim starts its chain "counted" without looking at other partitions (a warm-up
-// rebuilds decisions made at the first read — but after a reset forward nobody made
-// them). When a reset back then makes members count that range, the re-read trusts the
-// warm chain (`Own`): a copy counted on another partition meanwhile counts as well.
+// Regression (a defect this model found, fixed): guards that `restart` makes a partition
+// short of its boundary wait for its warm-up. claim.lua's `restart` left a partition alone
+// when its frontier already reached the lookback (`next_ >= lookback`), even when it was
+// short of the boundary the warm-up counts from: the partition stayed "ready", so other
+// partitions decided new copies while its warm-up had not claimed them yet; and the
+// warm-up claim started its chain "counted" without looking at other partitions (a
+// warm-up rebuilds decisions made at the first read — but after a reset forward nobody
+// made them). When a reset back then made members count that range, the re-read trusted
+// the warm chain (`Own`): a copy counted on another partition meanwhile counted as well.
+// Now `restart` makes such a frontier exact (and the partition ready) only from the
+// boundary: the copy on the other partition waits for the warm chain, and the re-read
+// after the reset back is decided privately. (A warm chain after a reset forward still
+// stands for a decision nobody made: the model holds such clicks loosely,
+// `World::resets_to`.)
 #[test]
 fn a_warm_up_after_a_reset_forward_counts_a_copy_another_partition_counted() {
     // Click 1000 on both partitions at 0; partition 1 goes on. Batches of 4.
@@ -936,12 +942,12 @@ fn a_warm_up_after_a_reset_forward_counts_a_copy_another_partition_counted() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): the same early return of `restart` without any
-// reset. A member that moved to a new namespace planned a partition while nothing was
-// committed (its frontier there: 0, exact from 0); a zombie that never noticed the loss
-// then commits that partition past its copies. The next member's `restart` finds the
-// frontier at the lookback (0) and changes nothing: the partition is ready before its
-// warm-up, and a copy on another partition counts beside the one the zombie committed.
+// Regression (a defect this model found, fixed): the same early return of `restart`
+// without any reset. A member that moved to a new namespace planned a partition while
+// nothing was committed (its frontier there: 0, exact from 0); a zombie that never noticed
+// the loss then commits that partition past its copies. The next member's `restart` found
+// the frontier at the lookback (0) and changed nothing: the partition was ready before its
+// warm-up, and a copy on another partition counted beside the one the zombie committed.
 #[test]
 fn a_restart_that_finds_the_frontier_at_the_lookback_leaves_the_partition_ready_before_its_warm_up() {
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);

@@ -308,8 +308,8 @@ impl Redis {
 
     /// `claim.lua`'s `restart` in every group (`SharedCache::restart`); `Err` when a
     /// group is not in `ns`.
-    /// `Ok(false)`: some group's frontier already reached the lookback, and it kept where
-    /// its re-reads are exact from.
+    /// `Ok(false)`: some group's frontier already reached the lookback; it kept what it
+    /// claimed, and is exact (and ready) only from the boundary on unless it reached it.
     pub fn restart(&mut self, ns: Ns, partition: i32, lookback: i64, boundary: i64) -> Result<bool, Lost> {
         // One call per group, all sent: the groups still in `ns` restart the partition
         // even when another answers lost.
@@ -322,11 +322,19 @@ impl Redis {
                 continue;
             }
             let space = group.space(ns);
-            if space.frontier.get(&partition).is_none_or(|&(next, _, _)| next < lookback) {
-                space.frontier.insert(partition, (lookback, 0, boundary));
-                self.touched(g);
-            } else {
-                all = false;
+            match space.frontier.get(&partition).copied() {
+                Some((next, clock, exact)) if next >= lookback => {
+                    all = false;
+                    // Short of the boundary: not ready until the warm-up reaches it.
+                    if next < boundary && exact < boundary {
+                        space.frontier.insert(partition, (next, clock, boundary));
+                        self.touched(g);
+                    }
+                }
+                _ => {
+                    space.frontier.insert(partition, (lookback, 0, boundary));
+                    self.touched(g);
+                }
             }
         }
         lost.map_or(Ok(all), Err)
