@@ -212,6 +212,8 @@ struct Item {
     generation: u64,
     /// Its record time.
     clock: Secs,
+    /// Its partition's clock just after it (below `clock` when it is judged ahead).
+    now: Secs,
     /// Its partition's clock just before it: where a reader rewound to it starts.
     clock_before: PartitionClock,
     /// Before the reader's first counted offset: it only rebuilds dedup state.
@@ -357,7 +359,8 @@ impl Stages {
             let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id);
             let warm = r.offset < reader.count_from;
             let generation = reader.generation;
-            items.push(Item { record: r, generation, clock, clock_before, warm, fingerprint, verdict: None });
+            let now = reader.clock.now();
+            items.push(Item { record: r, generation, clock, now, clock_before, warm, fingerprint, verdict: None });
         }
         self.health.status().read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
         self.record_lag(&items);
@@ -377,7 +380,7 @@ impl Stages {
                     self.private.forget(p);
                     info!(partition = p, offset = o, "deciding through the dedup cache again");
                 } else {
-                    i.verdict = Some(self.private.sight(p, fp.0, i.clock, if i.warm { None } else { pin }));
+                    i.verdict = Some(self.private.sight_at(p, fp.0, i.clock, i.now, if i.warm { None } else { pin }));
                     if resume.is_some_and(|r| r.fills_cache(o)) {
                         // The cache's last warm-up did not get this far: finish it.
                         let sighting = Sighting { partition: p, offset: o, clock: i.clock };

@@ -628,13 +628,15 @@ fn a_click_judged_far_ahead_makes_later_sightings_of_its_id_duplicates_while_the
     assert_eq!(billed(false), rebuilt, "the cache that survived decides click 9 at 22 differently");
 }
 
-// PRODUCT DEFECT (found by this model): `PrivateScope::sight` collects the sightings
-// older than a window before the record time of the sighting it decides, assuming
-// record time only grows; a click judged far ahead at its own timestamp therefore
-// empties the scope, and a retry right after it (judged at the partition clock) counts
-// again. Replays and reconcile decide from a private scope, and so does a member that
-// falls back to one (a re-read the cache cannot decide): they count the retry, the
-// shared cache does not.
+// Regression (a defect this model found, fixed): guards that a private scope collects
+// by the partition clock. `PrivateScope::sight` collected the sightings older than a
+// window before the record time of the sighting it decides, assuming record time only
+// grows; a click judged far ahead at its own timestamp therefore emptied the scope, and a
+// retry right after it (judged at the partition clock) counted again. Replays and
+// reconcile decide from a private scope, and so does a member that falls back to one (a
+// re-read the cache cannot decide): they counted the retry, the shared cache did not.
+// Now the readers pass the partition clock (`PrivateScope::sight_at`), which collection
+// follows.
 #[test]
 fn a_click_judged_far_ahead_makes_a_private_reader_forget_the_sightings_before_it() {
     // Click 7 at 0; another click stamped days ahead; click 7 again at 1: a duplicate.

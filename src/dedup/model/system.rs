@@ -368,6 +368,7 @@ struct Item {
     click: Option<oracle::ClickOf>,
     generation: u64,
     clock: Secs,
+    now: Secs,
     clock_before: PartitionClock,
     warm: bool,
     verdict: Option<Verdict>,
@@ -475,6 +476,7 @@ impl Stages {
                 click: rec.click,
                 generation: reader.generation,
                 clock,
+                now: reader.clock.now(),
                 clock_before,
                 warm,
                 verdict: None,
@@ -492,8 +494,8 @@ impl Stages {
                     reader.scope = Scope::Shared { reread_until: None };
                     self.private.forget(p);
                 } else {
-                    i.verdict =
-                        Some(self.private.sight(p, u128::from(click.id), i.clock, if i.warm { None } else { pin }));
+                    let pin = if i.warm { None } else { pin };
+                    i.verdict = Some(self.private.sight_at(p, u128::from(click.id), i.clock, i.now, pin));
                     if resume.is_some_and(|r| r.fills_cache(o)) {
                         let sighting = Sighting { partition: p, offset: o, clock: i.clock };
                         claims.push(ClaimIn { id: click.id, sighting, mode: ClaimMode { pin, warm: true } });
