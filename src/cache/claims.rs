@@ -114,21 +114,22 @@ impl SharedCache {
             mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             mark_blob.extend_from_slice(&clock.to_be_bytes());
         }
-        // What this handle saw acknowledged: of the batch's partitions, or of all it
-        // claimed for when this is an idle check.
+        // What this handle saw acknowledged in each group: of the batch's partitions, or
+        // of all it claimed for when this is an idle check.
         let ns = self.namespace();
         if self.acked.0 != ns {
             self.acked = (ns, BTreeMap::new());
         }
-        let mut expect = Vec::new();
-        for (&p, &o) in &self.acked.1 {
-            if claims.is_empty() || marks.contains_key(&p) {
-                expect.extend_from_slice(&(p as u16).to_be_bytes());
-                expect.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+        let mut expect = vec![Vec::new(); self.groups as usize];
+        for (&(g, p), &o) in &self.acked.1 {
+            if (claims.is_empty() || marks.contains_key(&p)) && g < self.groups {
+                expect[g as usize].extend_from_slice(&(p as u16).to_be_bytes());
+                expect[g as usize].extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             }
         }
-        let calls: Vec<redis::Cmd> =
-            (0..self.groups).map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect)).collect();
+        let calls: Vec<redis::Cmd> = (0..self.groups)
+            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect[g as usize]))
+            .collect();
         let replies = self.run_claims(calls).await?;
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
         let mut unready = std::collections::BTreeSet::new();
@@ -151,21 +152,43 @@ impl SharedCache {
             }
             unready.extend(detail.split(',').filter(|p| !p.is_empty()).map(str::to_string));
         }
-        // A partition with a sighting that waits did not reach its mark in the group that
-        // held it: what is acknowledged of it stays where it was.
-        let waiting: std::collections::BTreeSet<i32> = claims
-            .iter()
-            .zip(&verdicts)
-            .filter(|(_, v)| **v == Verdict::Wait)
-            .map(|(c, _)| c.sighting.partition)
-            .collect();
+        // Acknowledged per group: a partition reached its mark in every group but one that
+        // held a sighting of it that waits; there, its frontier reached the highest of its
+        // claims applied before the wait — warm-up claims its reader relies on, so a group
+        // that loses them must be noticed too.
+        let mut waiting: BTreeMap<(u32, i32), Option<i64>> = BTreeMap::new();
+        for (g, members) in by_group.iter().enumerate() {
+            for &i in members {
+                let p = claims[i].sighting.partition;
+                if verdicts[i] == Verdict::Wait {
+                    waiting.entry((g as u32, p)).or_insert(None);
+                }
+            }
+            for &i in members {
+                let s = claims[i].sighting;
+                if let Some(applied) = waiting.get_mut(&(g as u32, s.partition)) {
+                    if verdicts[i] != Verdict::Wait {
+                        *applied = Some(applied.map_or(s.offset, |a| a.max(s.offset)));
+                    }
+                }
+            }
+        }
         if !waiting.is_empty() {
             let unready: Vec<String> = unready.into_iter().collect();
-            tracing::debug!(?waiting, unready = %unready.join(","), "sightings wait for other partitions' state");
+            let partitions: std::collections::BTreeSet<i32> = waiting.keys().map(|&(_, p)| p).collect();
+            tracing::debug!(waiting = ?partitions, unready = %unready.join(","), "sightings wait for other partitions' state");
         }
-        for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !waiting.contains(p)) {
-            let seen = self.acked.1.entry(p).or_insert(o);
-            *seen = (*seen).max(o);
+        for g in 0..self.groups {
+            for (&p, &(o, _)) in &marks {
+                let reached = match waiting.get(&(g, p)) {
+                    None => Some(o),
+                    Some(applied) => *applied,
+                };
+                if let Some(o) = reached {
+                    let seen = self.acked.1.entry((g, p)).or_insert(o);
+                    *seen = (*seen).max(o);
+                }
+            }
         }
         Ok(verdicts)
     }

@@ -32,7 +32,6 @@
 //!   every partition with a click (`log::LAST_IDS`);
 //! - a last member stuck waiting is followed by a wipe and another; stuck again, the case
 //!   is not checked (counted in the summary line);
-//! - a failover loses a call only where its caller can tell;
 //! - a table rebuild stops the replays still running;
 //! - rows decided under settings that no longer hold, which nothing replaced, are left
 //!   out with the clicks they stand in for;
@@ -275,12 +274,11 @@ impl Run {
                 let g = usize::from(*g) % redis::GROUPS;
                 let Some((caller, before)) = &w.redis.undo[g] else { return };
                 let Some(i) = self.members.iter().position(|m| m.pid == *caller) else { return };
-                // Only where the member that made the call can tell (it saw every partition
-                // the lost writes moved acknowledged): the test
-                // `a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed`
-                // shows what happens otherwise.
-                if !self.members[i].would_notice(before, &w.redis.groups[g]) {
-                    return;
+                // The member that made the call saw, per group, every partition the lost
+                // writes moved acknowledged (the test
+                // `a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed`).
+                if !self.members[i].would_notice(g, before, &w.redis.groups[g]) {
+                    w.violations.push(format!("a failover lost writes of group {g} its caller cannot tell"));
                 }
                 w.redis.lose_last_call(g);
                 if self.members[i].idle(w) == Fate::Dead {
@@ -970,13 +968,16 @@ fn a_restart_that_finds_the_frontier_at_the_lookback_leaves_the_partition_ready_
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a failover that loses writes is noticed only for
-// the partitions whose frontier the member saw acknowledged (`claim.lua`'s `expect`), but
-// a partition with a claim that had to wait in a poll batch is not acknowledged for that
-// batch (`SharedCache::claim`) — although the warm-up claims before the wait were applied
-// and are relied on (the reader rewinds only to the waiting claim). When a failover loses
-// such a call (without `redis.wait_replicas`), nothing notices, the next batch's marks
-// move the frontier past the lost sightings, and a retry of one counts again.
+// Regression (a defect this model found, fixed): guards that claims applied before a wait
+// are acknowledged. A failover that loses writes is noticed only for the partitions whose
+// frontier the member saw acknowledged (`claim.lua`'s `expect`), but a partition with a
+// claim that had to wait in a poll batch was not acknowledged for that batch
+// (`SharedCache::claim`) — although the warm-up claims before the wait were applied and
+// are relied on (the reader rewinds only to the waiting claim). When a failover lost such
+// a call (without `redis.wait_replicas`), nothing noticed, the next batch's marks moved
+// the frontier past the lost sightings, and a retry of one counted again. Now the member
+// keeps what was acknowledged per key group: the mark where nothing waited, else the
+// highest claim applied before the wait.
 #[test]
 fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
     // Batches of 2. Click 9 (key group 1) at 0 on partition 1, its retry at 3; click 8
@@ -994,11 +995,11 @@ fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
     // group 1) and 8 (new, group 0), which waits for partition 0's warm-up.
     run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
     run.op(&Op::Read { m: 0, p: 1, k: 3, then: None, cut: false });
-    // Group 1 fails over to a replica without that call; the member's check sees nothing
-    // (partition 1 was not acknowledged: it waited).
+    // Group 1 fails over to a replica without that call; the member's check notices
+    // (partition 1 waited in group 0 only; group 1 acknowledged its mark).
     let (caller, before) = run.w.redis.undo[1].clone().expect("the last call of group 1");
     assert_eq!(caller, run.members[0].pid);
-    assert!(!run.members[0].would_notice(&before, &run.w.redis.groups[1]));
+    assert!(run.members[0].would_notice(1, &before, &run.w.redis.groups[1]), "it was acknowledged in group 1");
     run.w.redis.lose_last_call(1);
     run.op(&Op::Idle { m: 0 });
     // It warms partition 0 up, reads partition 1 on (click 8 counts; its batch's marks

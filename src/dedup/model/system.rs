@@ -602,7 +602,7 @@ pub struct Member {
     ns: Ns,
     /// The claim task's handle: the frontier its claims reached, acknowledged, per
     /// partition, in the namespace named.
-    acked: (Ns, BTreeMap<i32, i64>),
+    acked: (Ns, BTreeMap<(usize, i32), i64>),
     st: Stages,
     /// The claim task's partitions whose reader generation had to wait.
     waiting: HashMap<i32, u64>,
@@ -758,12 +758,16 @@ impl Member {
         if self.acked.0 != self.ns {
             self.acked = (self.ns, BTreeMap::new());
         }
-        let expect: BTreeMap<i32, i64> = self
-            .acked
-            .1
-            .iter()
-            .filter(|(p, _)| claims.is_empty() || marks.contains_key(p))
-            .map(|(&p, &o)| (p, o))
+        // Per group, what was acknowledged there.
+        let expect: Vec<BTreeMap<i32, i64>> = (0..GROUPS)
+            .map(|g| {
+                self.acked
+                    .1
+                    .iter()
+                    .filter(|(&(h, p), _)| h == g && (claims.is_empty() || marks.contains_key(&p)))
+                    .map(|(&(_, p), &o)| (p, o))
+                    .collect()
+            })
             .collect();
         // Every group's call is sent (a pipeline); the first lost answer, in group order,
         // is the batch's.
@@ -775,9 +779,10 @@ impl Member {
             }
             let calls: Vec<ClaimIn> = members.iter().map(|&i| claims[i]).collect();
             let window = self.st.window;
-            replies.push(Some(w.redis.claim(self.pid, g, self.ns, window, &calls, &marks, &expect, w.partitions())));
+            replies.push(Some(w.redis.claim(self.pid, g, self.ns, window, &calls, &marks, &expect[g], w.partitions())));
         }
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
+        let answered: Vec<bool> = replies.iter().map(Option::is_some).collect();
         for (members, reply) in by_group.iter().zip(replies) {
             match reply {
                 None => {}
@@ -790,15 +795,32 @@ impl Member {
                 }
             }
         }
-        let waiting: BTreeSet<i32> = claims
-            .iter()
-            .zip(&verdicts)
-            .filter(|(_, v)| **v == Verdict::Wait)
-            .map(|(c, _)| c.sighting.partition)
-            .collect();
-        for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !waiting.contains(p)) {
-            let seen = self.acked.1.entry(p).or_insert(o);
-            *seen = (*seen).max(o);
+        // `SharedCache::claim`: per group, the mark, or where a sighting of the partition
+        // waited there, the highest of its claims applied before the wait.
+        for (g, members) in by_group.iter().enumerate() {
+            if !answered[g] {
+                continue;
+            }
+            let waited: BTreeSet<i32> = members
+                .iter()
+                .filter(|&&i| verdicts[i] == Verdict::Wait)
+                .map(|&i| claims[i].sighting.partition)
+                .collect();
+            for (&p, &(o, _)) in &marks {
+                let reached = if waited.contains(&p) {
+                    members
+                        .iter()
+                        .filter(|&&i| claims[i].sighting.partition == p && verdicts[i] != Verdict::Wait)
+                        .map(|&i| claims[i].sighting.offset)
+                        .max()
+                } else {
+                    Some(o)
+                };
+                if let Some(o) = reached {
+                    let seen = self.acked.1.entry((g, p)).or_insert(o);
+                    *seen = (*seen).max(o);
+                }
+            }
         }
         Ok(verdicts)
     }
@@ -1040,13 +1062,17 @@ impl Member {
     /// Whether this member's claim task would find that key group `g` lost writes if the
     /// group's frontiers went back from `now` to `then`: every partition the lost writes
     /// moved is one whose frontier it saw acknowledged past where `then` leaves it.
-    pub fn would_notice(&self, then: &super::redis::Group, now: &super::redis::Group) -> bool {
+    pub fn would_notice(&self, g: usize, then: &super::redis::Group, now: &super::redis::Group) -> bool {
         let frontier = |g: &super::redis::Group| g.spaces.get(&self.ns).map(|s| s.frontier.clone()).unwrap_or_default();
         let (before, after) = (frontier(then), frontier(now));
         after.iter().all(|(p, &(next, _, _))| {
             before.get(p).is_some_and(|&(was, _, _)| was == next)
                 || (self.acked.0 == self.ns
-                    && self.acked.1.get(p).is_some_and(|&seen| before.get(p).is_none_or(|&(was, _, _)| was - 1 < seen)))
+                    && self
+                        .acked
+                        .1
+                        .get(&(g, *p))
+                        .is_some_and(|&seen| before.get(p).is_none_or(|&(was, _, _)| was - 1 < seen)))
         })
     }
 
