@@ -494,8 +494,8 @@ impl Stages {
                     reader.scope = Scope::Shared { reread_until: None };
                     self.private.forget(p);
                 } else {
-                    let pin = if i.warm { None } else { pin };
-                    i.verdict = Some(self.private.sight_at(p, u128::from(click.id), i.clock, i.now, pin));
+                    let applied = if i.warm { None } else { pin };
+                    i.verdict = Some(self.private.sight_at(p, u128::from(click.id), i.clock, i.now, applied));
                     if resume.is_some_and(|r| r.fills_cache(o)) {
                         let sighting = Sighting { partition: p, offset: o, clock: i.clock };
                         claims.push(ClaimIn { id: click.id, sighting, mode: ClaimMode { pin, warm: true } });
