@@ -698,8 +698,8 @@ impl Member {
             start.commit_floor = committed.max(start.count_from);
             let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
             if matches!(start.scope, Scope::Shared { .. }) && behind {
-                w.redis.restart(self.ns, p, m.lookback.0, m.boundary)?;
-                w.warms_up(self.ns, p, m.lookback.0);
+                let restarted = w.redis.restart(self.ns, p, m.lookback.0, m.boundary)?;
+                w.warms_up(self.ns, p, if restarted { m.lookback.0 } else { m.boundary });
             }
             let until = start.read_from + PINS_WINDOW - 1;
             starts.push((start, w.load_pins(p, start.read_from, until, Some(self.ns)), until));
