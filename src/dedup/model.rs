@@ -34,7 +34,8 @@
 //!   is not checked (counted in the summary line);
 //! - a table rebuild stops the replays still running;
 //! - rows decided under settings that no longer hold, which nothing replaced, are left
-//!   out with the clicks they stand in for;
+//!   out with the clicks they stand in for (a settings change deletes those past the
+//!   committed offsets; a replay still running across the change writes more);
 //! - a cross-partition click that a known defect meets (`World::exposed`) or with a copy
 //!   in a range resets skipped is held to looser bounds (`oracle::Fixed`); the summary
 //!   line says how many.
@@ -228,7 +229,7 @@ impl Run {
                 }
                 let fate = self.members[i].read(w, &batches);
                 if fate == Fate::Alive && *cut {
-                    self.members[i].cut();
+                    self.members[i].cut(w);
                 }
                 if fate == Fate::Dead {
                     self.members.remove(i);
@@ -317,7 +318,9 @@ impl Run {
                 let w = &mut self.w;
                 let window = WINDOWS[usize::from(*window) % WINDOWS.len()];
                 if window != w.versions[w.latest()].window {
-                    let from = (0..w.partitions()).map(|p| w.boundary(p, w.committed[p as usize])).collect();
+                    let from: Vec<i64> = (0..w.partitions()).map(|p| w.boundary(p, w.committed[p as usize])).collect();
+                    // `Sink::delete_rows_from`: the rows past the committed offsets go first.
+                    w.rows.retain(|&(_, p, b, _), _| b < from[p as usize]);
                     w.versions.push(system::Version { window, from });
                 }
             }
@@ -705,13 +708,15 @@ fn a_poll_batch_that_ends_a_warm_up_and_waits_can_leave_two_partitions_waiting_f
     assert!(last.caught_up(&run.w), "{}", last.describe(&run.w));
 }
 
-// PRODUCT DEFECT (found by this model): `clickagg settings change` makes the new settings
+// Regression (a defect this model found, fixed): guards that a settings change deletes
+// the rows past the committed offsets. `clickagg settings change` makes the new settings
 // decide every partition from its committed offset (a batch boundary) on, but rows for
 // batches at or past it may exist already, decided under the old settings: the open
 // batch a draining member flushed before it stopped (a drain cuts the open batch too),
 // rows a member flushed before it was killed and never committed, a replay's. A reader
 // under the new settings replaces a row only for a bucket it counts something in; where
-// the new settings count nothing in a bucket of such a batch, the old row stays.
+// the new settings counted nothing in a bucket of such a batch, the old row stayed. Now
+// the change deletes them first (`Sink::delete_rows_from`).
 #[test]
 fn a_settings_change_keeps_the_rows_decided_under_the_old_settings_past_the_committed_offsets() {
     // Window 10: click 7 at 0 (ad 0), and again at 12 (ad 1, a new click: 12 s later).

@@ -127,6 +127,35 @@ impl Sink {
         Ok(history)
     }
 
+    /// Deletes the billing rows of `topic` for every batch at or past `from` (per
+    /// partition), at every grain, and waits until they are gone. A settings change calls
+    /// it before it records the new version: rows past the committed offsets were decided
+    /// under the old settings (an open batch a stopping member flushed, a killed member's
+    /// flush, a replay's), and a reader under the new ones replaces a row only for a
+    /// bucket it counts something in. Nothing committed lies there: readers write them
+    /// again.
+    pub async fn delete_rows_from(&self, topic: &str, from: &BTreeMap<i32, i64>) -> Result<(), SinkError> {
+        if from.is_empty() {
+            return Ok(());
+        }
+        let within: Vec<String> =
+            from.iter().map(|(&p, &o)| format!("(partition = {} AND batch_start >= {})", p.max(0), o.max(0))).collect();
+        let condition = format!("topic = {} AND ({})", super::quote_literal(topic), within.join(" OR "));
+        for grain in crate::aggregate::Grain::ALL {
+            let (table, _) = super::table_of(grain);
+            let sql = match &self.cluster {
+                None => format!("ALTER TABLE {table} DELETE WHERE {condition} SETTINGS mutations_sync = 2"),
+                Some(cluster) => format!(
+                    "ALTER TABLE {}.{table}_local ON CLUSTER {} DELETE WHERE {condition} SETTINGS mutations_sync = 2",
+                    super::quote_ident(&self.database),
+                    super::quote_ident(cluster)
+                ),
+            };
+            self.execute(&sql).await?;
+        }
+        Ok(())
+    }
+
     /// Records a settings version of `topic`.
     pub async fn record_rules(
         &self,

@@ -94,8 +94,8 @@ pub struct World {
     pub committed: Vec<Option<i64>>,
     /// The wall clock (s).
     pub wall: Secs,
-    /// The cross-partition clicks the defects `World::warms_up`, `World::resets_to` and
-    /// `World::orphan_pins` name meet.
+    /// The cross-partition clicks the defects `World::warms_up`, `World::resets_to`,
+    /// `World::fenced_pins` and `World::orphan_pins` name meet.
     pub exposed: BTreeSet<u32>,
     /// Per partition, the offsets group resets moved past that no member read since.
     pub skipped: BTreeMap<i32, BTreeSet<i64>>,
@@ -105,6 +105,9 @@ pub struct World {
     /// The oracle's clock (and pending jump) before each offset of each partition.
     truth: Vec<Vec<(Option<u32>, Option<u32>)>>,
     next_pid: u64,
+    /// Plans made so far, and per partition the last one: (its serial, who made it).
+    plans: u64,
+    last_plan: BTreeMap<i32, (u64, u64)>,
 }
 
 impl World {
@@ -133,6 +136,8 @@ impl World {
             violations: Vec::new(),
             truth,
             next_pid: 0,
+            plans: 0,
+            last_plan: BTreeMap::new(),
         }
     }
 
@@ -179,6 +184,20 @@ impl World {
     /// if the cache was lost meanwhile, the new owner planned without them and may
     /// decide those copies otherwise (a defect the model found, not fixed yet: the
     /// member cannot tell; see the summary in `model.rs`). Their clicks are held loosely.
+    /// A fenced flush writes its pins before its member plans again (`Flusher::settle`),
+    /// but another member (the new owner of a partition, beside a zombie) may have
+    /// planned it since the flush was cut: it decides those copies without the pins (a
+    /// defect the model found, not fixed yet). Their clicks are held loosely.
+    fn fenced_pins(&mut self, pins: &[crate::aggregate::PinRow], pid: u64, cut_at: u64) {
+        for pin in pins {
+            let planned_since = self.last_plan.get(&pin.partition).is_some_and(|&(at, by)| at > cut_at && by != pid);
+            let at = (pin.partition as usize, pin.offset as usize);
+            if let (true, Some(c)) = (planned_since, self.log.cross.iter().find(|c| c.copies.contains(&at))) {
+                self.exposed.insert(c.id);
+            }
+        }
+    }
+
     fn orphan_pins(&mut self, pins: &[crate::aggregate::PinRow], owned: &BTreeSet<i32>) {
         for pin in pins.iter().filter(|pin| !owned.contains(&pin.partition)) {
             let at = (pin.partition as usize, pin.offset as usize);
@@ -607,7 +626,7 @@ pub struct Member {
     /// The claim task's partitions whose reader generation had to wait.
     waiting: HashMap<i32, u64>,
     /// The flusher: handed-over jobs with the fence they were handed over under.
-    queue: VecDeque<(Job, u64)>,
+    queue: VecDeque<(Job, u64, u64)>,
     fence: u64,
     /// The partitions whose commits the flusher sends.
     owned: BTreeSet<i32>,
@@ -689,6 +708,10 @@ impl Member {
     /// `Stages::plan_shared_starts`.
     fn plan(&mut self, w: &mut World, partitions: &[i32]) -> Result<Planned, Lost> {
         let mut starts = Vec::new();
+        w.plans += 1;
+        for &p in partitions {
+            w.last_plan.insert(p, (w.plans, self.pid));
+        }
         for &p in partitions {
             let m = w.marks(p, w.boundary(p, w.committed[p as usize]), self.st.window);
             assert!(m.boundary >= w.latest_from(p), "model: a member would count from before its settings");
@@ -980,10 +1003,10 @@ impl Member {
     }
 
     /// Cuts a flush and hands it to the flusher.
-    pub fn cut(&mut self) {
+    pub fn cut(&mut self, w: &World) {
         let job = self.st.cut();
         if !(job.flush.is_empty() && job.clocks.is_empty()) {
-            self.queue.push_back((job, self.fence));
+            self.queue.push_back((job, self.fence, w.plans));
         }
     }
 
@@ -994,7 +1017,10 @@ impl Member {
     /// The flusher writes its oldest job and commits what it allows; with `crash_after`,
     /// the member dies after that many of the writes (pins, clocks, day, hour, minute).
     pub fn flush_one(&mut self, w: &mut World, crash_after: Option<usize>) -> Fate {
-        let Some((job, fence)) = self.queue.pop_front() else { return Fate::Alive };
+        let Some((job, fence, cut_at)) = self.queue.pop_front() else { return Fate::Alive };
+        if fence != self.fence {
+            w.fenced_pins(&job.flush.pins, self.pid, cut_at);
+        }
         if let Some(stages) = crash_after {
             add(&coverage::MID_FLUSH_CRASHES, 1);
             w.write(&job, Writer::Member, self.ns.tag, stages);
@@ -1027,7 +1053,7 @@ impl Member {
 
     /// A drain: cut, then everything handed over is written and committed.
     pub fn drain(&mut self, w: &mut World) {
-        self.cut();
+        self.cut(w);
         while self.has_queued() {
             self.flush_one(w, None);
         }
@@ -1045,7 +1071,7 @@ impl Member {
         } else {
             let cut = self.st.agg.take_partitions(&partitions);
             let job = self.st.job(cut);
-            self.queue.push_back((job, self.fence));
+            self.queue.push_back((job, self.fence, w.plans));
             while self.has_queued() {
                 self.flush_one(w, None);
             }
