@@ -680,17 +680,19 @@ fn a_partition_whose_warm_up_ends_on_a_rejected_record_keeps_the_others_waiting(
     run.last_member(1).unwrap();
 }
 
-// PRODUCT DEFECT (found by this model; liveness, with several key groups): a partition
-// restarted for a warm-up is ready in a key group only once that group's frontier
-// reaches the boundary its warm-up counts from, and the frontier of a group moves only
-// by its own claims and by the poll batch's marks — which a group skips for a partition
-// whose claim had to wait in that call. When a poll batch holds the end of a warm-up and
-// the partition's first new clicks, and the last warm-up click lies in another group,
-// the group where a new click waits keeps the partition "not ready"; two partitions in
-// that state wait for each other for ever (on a Redis Cluster, after every loss of the
-// cache: every partition warms up at once, and each poll batch straddles its boundary).
+// Regression (a defect this model found, fixed; liveness, with several key groups):
+// guards that a group where a partition waited still takes its mark up to the claim that
+// waited. A partition restarted for a warm-up is ready in a key group only once that
+// group's frontier reaches the boundary its warm-up counts from, and the frontier of a
+// group moves only by its own claims and by the poll batch's marks — which a group
+// skipped for a partition whose claim had to wait in that call. When a poll batch held
+// the end of a warm-up and the partition's first new clicks, and the last warm-up click
+// lay in another group, the group where a new click waited kept the partition "not
+// ready"; two partitions in that state waited for each other for ever (on a Redis
+// Cluster, after every loss of the cache: every partition warms up at once, and each
+// poll batch straddles its boundary). Now claim.lua moves such a frontier to just
+// before the claim that waited.
 #[test]
-#[ignore = "PRODUCT DEFECT: a group skips the marks of a partition that waited there, so the end of its warm-up never reaches that group; see issue 16 note"]
 fn a_poll_batch_that_ends_a_warm_up_and_waits_can_leave_two_partitions_waiting_for_each_other() {
     // Click IDs: even ones live in key group 0, odd ones in group 1. Each partition: a
     // click of group 1, one of group 0, then a new click of group 1.

@@ -143,15 +143,37 @@ impl Sink {
         let condition = format!("topic = {} AND ({})", super::quote_literal(topic), within.join(" OR "));
         for grain in crate::aggregate::Grain::ALL {
             let (table, _) = super::table_of(grain);
-            let sql = match &self.cluster {
-                None => format!("ALTER TABLE {table} DELETE WHERE {condition} SETTINGS mutations_sync = 2"),
-                Some(cluster) => format!(
-                    "ALTER TABLE {}.{table}_local ON CLUSTER {} DELETE WHERE {condition} SETTINGS mutations_sync = 2",
-                    super::quote_ident(&self.database),
-                    super::quote_ident(cluster)
+            let (sql, mutated) = match &self.cluster {
+                None => (format!("ALTER TABLE {table} DELETE WHERE {condition}"), table.to_string()),
+                Some(cluster) => (
+                    format!(
+                        "ALTER TABLE {}.{table}_local ON CLUSTER {} DELETE WHERE {condition}",
+                        super::quote_ident(&self.database),
+                        super::quote_ident(cluster)
+                    ),
+                    format!("{table}_local"),
                 ),
             };
             self.execute(&sql).await?;
+            // A mutation runs in the background: wait until it is done (no server of every
+            // supported version knows `mutations_sync`).
+            let pending = format!(
+                "SELECT count() FROM system.mutations WHERE database = currentDatabase() AND table = {} AND is_done = 0",
+                super::quote_literal(&mutated)
+            );
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+            loop {
+                let left: u64 = self.timed(self.client.query(&pending).fetch_one::<u64>()).await?;
+                if left == 0 {
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(SinkError::Transient(format!(
+                        "deleting rows of {table}: the mutation is not done yet"
+                    )));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
         }
         Ok(())
     }

@@ -246,7 +246,8 @@ impl Redis {
             (0..total).filter(|q| space.frontier.get(q).is_none_or(|&(next, _, exact)| next < exact)).collect();
         let mut frontier: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
         let mut touched: BTreeMap<i32, Secs> = BTreeMap::new();
-        let mut waiting: BTreeSet<i32> = BTreeSet::new();
+        // Per partition, the offset of its first claim that waited.
+        let mut waiting: BTreeMap<i32, i64> = BTreeMap::new();
         let mut out = Vec::with_capacity(claims.len());
         for c in claims {
             let s = c.sighting;
@@ -254,7 +255,7 @@ impl Redis {
             let (f, exact) = *frontier
                 .entry(p)
                 .or_insert_with(|| space.frontier.get(&p).map_or((-1, 0), |&(next, _, exact)| (next - 1, exact)));
-            if waiting.contains(&p) {
+            if waiting.contains_key(&p) {
                 out.push(Verdict::Wait);
                 continue;
             }
@@ -275,7 +276,7 @@ impl Redis {
                 space.entries.remove(&c.id);
             }
             if v == Verdict::Wait {
-                waiting.insert(p);
+                waiting.insert(p, s.offset);
                 out.push(v);
                 continue;
             }
@@ -289,11 +290,20 @@ impl Redis {
             }
             out.push(v);
         }
-        for (&p, &(o, clock)) in marks {
+        for (&p, &(mark, mark_clock)) in marks {
             let (f, exact) = *frontier
                 .entry(p)
                 .or_insert_with(|| space.frontier.get(&p).map_or((-1, 0), |&(next, _, exact)| (next - 1, exact)));
-            if !waiting.contains(&p) && o > f {
+            // A partition that waited here reaches its mark only up to just before the
+            // claim that waited.
+            let (o, clock) = match waiting.get(&p) {
+                Some(&w) if mark >= w => {
+                    let kept = space.frontier.get(&p).map_or(0, |&(_, clock, _)| clock);
+                    (w - 1, touched.get(&p).copied().unwrap_or(kept))
+                }
+                _ => (mark, mark_clock),
+            };
+            if o > f {
                 frontier.insert(p, (o, exact));
                 touched.insert(p, clock);
             }
