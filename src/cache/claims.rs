@@ -153,23 +153,16 @@ impl SharedCache {
             unready.extend(detail.split(',').filter(|p| !p.is_empty()).map(str::to_string));
         }
         // Acknowledged per group: a partition reached its mark in every group but one that
-        // held a sighting of it that waits; there, its frontier reached the highest of its
-        // claims applied before the wait — warm-up claims its reader relies on, so a group
-        // that loses them must be noticed too.
-        let mut waiting: BTreeMap<(u32, i32), Option<i64>> = BTreeMap::new();
+        // held a sighting of it that waits; there, its frontier reached just before the
+        // first claim that waited (`claim.lua`) — past warm-up claims its reader relies on,
+        // so a group that loses them must be noticed too.
+        let mut waiting: BTreeMap<(u32, i32), i64> = BTreeMap::new();
         for (g, members) in by_group.iter().enumerate() {
             for &i in members {
-                let p = claims[i].sighting.partition;
-                if verdicts[i] == Verdict::Wait {
-                    waiting.entry((g as u32, p)).or_insert(None);
-                }
-            }
-            for &i in members {
                 let s = claims[i].sighting;
-                if let Some(applied) = waiting.get_mut(&(g as u32, s.partition)) {
-                    if verdicts[i] != Verdict::Wait {
-                        *applied = Some(applied.map_or(s.offset, |a| a.max(s.offset)));
-                    }
+                if verdicts[i] == Verdict::Wait {
+                    let first = waiting.entry((g as u32, s.partition)).or_insert(s.offset);
+                    *first = (*first).min(s.offset);
                 }
             }
         }
@@ -182,7 +175,7 @@ impl SharedCache {
             for (&p, &(o, _)) in &marks {
                 let reached = match waiting.get(&(g, p)) {
                     None => Some(o),
-                    Some(applied) => *applied,
+                    Some(&first) => Some(o.min(first - 1)).filter(|&r| r >= 0),
                 };
                 if let Some(o) = reached {
                     let seen = self.acked.1.entry((g, p)).or_insert(o);

@@ -819,7 +819,7 @@ impl Member {
             }
         }
         // `SharedCache::claim`: per group, the mark, or where a sighting of the partition
-        // waited there, the highest of its claims applied before the wait.
+        // waited there, just before the first claim that waited.
         for (g, members) in by_group.iter().enumerate() {
             if !answered[g] {
                 continue;
@@ -833,9 +833,10 @@ impl Member {
                 let reached = if waited.contains(&p) {
                     members
                         .iter()
-                        .filter(|&&i| claims[i].sighting.partition == p && verdicts[i] != Verdict::Wait)
-                        .map(|&i| claims[i].sighting.offset)
-                        .max()
+                        .filter(|&&i| claims[i].sighting.partition == p && verdicts[i] == Verdict::Wait)
+                        .map(|&i| o.min(claims[i].sighting.offset - 1))
+                        .min()
+                        .filter(|&r| r >= 0)
                 } else {
                     Some(o)
                 };
