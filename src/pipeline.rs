@@ -397,7 +397,17 @@ impl Stages {
             claimed.push(Some(idx));
             generations.push(i.generation);
         }
-        Prepared { items, claims: ClaimBatch { claims, generations }, claimed }
+        // The last record of each partition read through the cache, click or not.
+        let mut last: BTreeMap<i32, (Sighting, u64)> = BTreeMap::new();
+        for i in &items {
+            let p = i.record.partition;
+            if matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. })) {
+                let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
+                last.insert(p, (sighting, i.generation));
+            }
+        }
+        let marks = last.into_values().collect();
+        Prepared { items, claims: ClaimBatch { claims, generations, marks }, claimed }
     }
 
     /// Records how far each partition's first counted record lags the wall clock.

@@ -12,7 +12,7 @@ use redis::Value;
 use super::error::{DedupError, Lost};
 use super::shared::SharedCache;
 use super::target::{slot_of, Conn, Node};
-use crate::dedup::{Claim, Secs, Verdict};
+use crate::dedup::{Claim, Secs, Sighting, Verdict};
 use crate::position::CacheFrontier;
 
 /// Bytes of one packed claim (`claim.lua`, `CLAIM`).
@@ -95,6 +95,12 @@ impl SharedCache {
     /// one of its partition in that group: the reader reads them again later (claimed
     /// again, the ones decided now answer what they answered now).
     pub async fn claim(&mut self, claims: &[Claim]) -> Result<Vec<Verdict>, DedupError> {
+        self.claim_marked(claims, &[]).await
+    }
+
+    /// [`SharedCache::claim`] with the poll batch's last records read (`reached`, clicks or
+    /// not, per partition read through the cache): the marks reach them too.
+    pub async fn claim_marked(&mut self, claims: &[Claim], reached: &[Sighting]) -> Result<Vec<Verdict>, DedupError> {
         self.ensure_open().await?;
         // Per group: the claims' positions in `claims`, in order. Every group gets a call,
         // with the marks: the highest offset claimed per partition and its record time.
@@ -103,6 +109,12 @@ impl SharedCache {
         for (i, c) in claims.iter().enumerate() {
             by_group[self.group_of(c.fingerprint.shard(self.shards)) as usize].push(i);
             let s = c.sighting;
+            let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
+            if s.offset >= mark.0 {
+                *mark = (s.offset, s.clock);
+            }
+        }
+        for s in reached {
             let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
             if s.offset >= mark.0 {
                 *mark = (s.offset, s.clock);
@@ -122,7 +134,7 @@ impl SharedCache {
         }
         let mut expect = vec![Vec::new(); self.groups as usize];
         for (&(g, p), &o) in &self.acked.1 {
-            if (claims.is_empty() || marks.contains_key(&p)) && g < self.groups {
+            if (marks.is_empty() || marks.contains_key(&p)) && g < self.groups {
                 expect[g as usize].extend_from_slice(&(p as u16).to_be_bytes());
                 expect[g as usize].extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             }

@@ -281,6 +281,10 @@ pub struct Claim {
 pub struct ClaimBatch {
     pub claims: Vec<Claim>,
     pub generations: Vec<u64>,
+    /// Per partition read through the cache, the last record of the poll batch (a click
+    /// or not) and its reader's generation: the batch's mark reaches it, so that a
+    /// warm-up ending on records that are not clicks still reaches its boundary.
+    pub marks: Vec<(Sighting, u64)>,
 }
 
 #[cfg(test)]

@@ -399,6 +399,8 @@ struct Prepared {
     claims: Vec<ClaimIn>,
     generations: Vec<u64>,
     claimed: Vec<Option<usize>>,
+    /// `ClaimBatch::marks`: per partition read through the cache, its last record read.
+    marks: Vec<(Sighting, u64)>,
 }
 
 /// What `apply` asks of the loop.
@@ -529,7 +531,14 @@ impl Stages {
             claimed.push(Some(idx));
             generations.push(i.generation);
         }
-        Prepared { items, claims, generations, claimed }
+        let mut last: BTreeMap<i32, (Sighting, u64)> = BTreeMap::new();
+        for i in &items {
+            if matches!(self.readers.get(&i.p).map(|r| r.scope), Some(Scope::Shared { .. })) {
+                last.insert(i.p, (Sighting { partition: i.p, offset: i.offset, clock: i.clock }, i.generation));
+            }
+        }
+        let marks = last.into_values().collect();
+        Prepared { items, claims, generations, claimed, marks }
     }
 
     /// `Stages::apply`: the verdicts, then the aggregator.
@@ -767,12 +776,19 @@ impl Member {
 
     /// `SharedCache::claim`: one call per key group (all sent; `groups` limits which
     /// reach Redis, for a member killed mid-pipeline), the marks, what was acknowledged.
-    fn shared_claim(&mut self, w: &mut World, claims: &[ClaimIn], groups: u8) -> Result<Vec<Verdict>, Lost> {
+    fn shared_claim(
+        &mut self,
+        w: &mut World,
+        claims: &[ClaimIn],
+        reached: &[Sighting],
+        groups: u8,
+    ) -> Result<Vec<Verdict>, Lost> {
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); GROUPS];
         let mut marks: BTreeMap<i32, (i64, Secs)> = BTreeMap::new();
         for (i, c) in claims.iter().enumerate() {
             by_group[group_of(c.id)].push(i);
-            let s = c.sighting;
+        }
+        for s in claims.iter().map(|c| c.sighting).chain(reached.iter().copied()) {
             let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
             if s.offset >= mark.0 {
                 *mark = (s.offset, s.clock);
@@ -787,7 +803,7 @@ impl Member {
                 self.acked
                     .1
                     .iter()
-                    .filter(|(&(h, p), _)| h == g && (claims.is_empty() || marks.contains_key(&p)))
+                    .filter(|(&(h, p), _)| h == g && (marks.is_empty() || marks.contains_key(&p)))
                     .map(|(&(_, p), &o)| (p, o))
                     .collect()
             })
@@ -850,14 +866,25 @@ impl Member {
     }
 
     /// The `Claimer`: claims of a reader generation that had to wait are not sent.
-    fn claimer(&mut self, w: &mut World, claims: &[ClaimIn], generations: &[u64]) -> Result<Vec<Verdict>, Lost> {
+    fn claimer(
+        &mut self,
+        w: &mut World,
+        claims: &[ClaimIn],
+        generations: &[u64],
+        marks: &[(Sighting, u64)],
+    ) -> Result<Vec<Verdict>, Lost> {
         let stale = |i: usize| self.waiting.get(&claims[i].sighting.partition).is_some_and(|&g| generations[i] <= g);
         let (sent, _held): (Vec<usize>, Vec<usize>) = (0..claims.len()).partition(|&i| !stale(i));
         for &i in &sent {
             self.waiting.remove(&claims[i].sighting.partition);
         }
+        let reached: Vec<Sighting> = marks
+            .iter()
+            .filter(|(s, g)| !self.waiting.get(&s.partition).is_some_and(|w| g <= w))
+            .map(|&(s, _)| s)
+            .collect();
         let to_send: Vec<ClaimIn> = sent.iter().map(|&i| claims[i]).collect();
-        let v = self.shared_claim(w, &to_send, u8::MAX)?;
+        let v = self.shared_claim(w, &to_send, &reached, u8::MAX)?;
         if std::env::var_os("MODEL_TRACE").is_some() {
             for (c, v) in to_send.iter().zip(&v) {
                 eprintln!("    member {} claims {c:?}: {v:?}", self.pid);
@@ -888,7 +915,7 @@ impl Member {
         let mut lost: Option<Lost> = None;
         let mut answers = Vec::new();
         for prepared in &in_flight {
-            answers.push(self.claimer(w, &prepared.claims, &prepared.generations));
+            answers.push(self.claimer(w, &prepared.claims, &prepared.generations, &prepared.marks));
         }
         for (prepared, answer) in in_flight.into_iter().zip(answers) {
             match answer {
@@ -911,7 +938,7 @@ impl Member {
 
     /// The idle member's check on a flush tick: an empty claim.
     pub fn idle(&mut self, w: &mut World) -> Fate {
-        match self.claimer(w, &[], &[]) {
+        match self.claimer(w, &[], &[], &[]) {
             Ok(_) => Fate::Alive,
             Err(l) => self.start_over(w, l),
         }
@@ -923,7 +950,8 @@ impl Member {
         let records = self.fetch(w, p, k);
         self.st.ensure_pins(w, &records, Some(self.ns));
         let prepared = self.st.prepare(w, &records);
-        let _ = self.shared_claim(w, &prepared.claims, groups);
+        let reached: Vec<Sighting> = prepared.marks.iter().map(|&(s, _)| s).collect();
+        let _ = self.shared_claim(w, &prepared.claims, &reached, groups);
     }
 
     /// `Loop::apply`: the verdicts, fall-backs to private state, rewinds.
