@@ -132,7 +132,8 @@ end
 --   cross-partition duplicate at its first read, bit 1 = a warm-up sighting, decided
 --   within its partition); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
 --   ARGV[5] = the marks, packed back to back, each '>HI6I4': a partition of the poll
---   batch, its highest offset claimed in the batch (in any group) and that record's
+--   batch, its highest offset read in the batch (claimed in any group, or a record that
+--   is no click) and that record's
 --   time. The frontier of a marked partition moves to its mark (for one with a claim
 --   that waited in this call: to just before that claim); the claims of this call
 --   lie at or below it. ARGV[6] = what the caller saw acknowledged before, packed
