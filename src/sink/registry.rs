@@ -156,13 +156,17 @@ impl Sink {
             };
             self.execute(&sql).await?;
             // A mutation runs in the background: wait until it is done (no server of every
-            // supported version knows `mutations_sync`).
+            // supported version knows `mutations_sync`). It touches only rows written before
+            // it, so nothing a reader writes afterwards goes. Asked after a pause in which a
+            // mutation this small is done, so that the answer does not depend on the moment
+            // (scripts/current-clickhouse compares it with a current server's).
             let pending = format!(
                 "SELECT count() FROM system.mutations WHERE database = currentDatabase() AND table = {} AND is_done = 0",
                 super::quote_literal(&mutated)
             );
             let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
             loop {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
                 let left: u64 = self.timed(self.client.query(&pending).fetch_one::<u64>()).await?;
                 if left == 0 {
                     break;
