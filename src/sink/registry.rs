@@ -176,7 +176,6 @@ impl Sink {
                         "deleting rows of {table}: the mutation is not done yet"
                     )));
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             }
         }
         Ok(())
