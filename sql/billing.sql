@@ -1,13 +1,21 @@
 -- Billing counts: clicks per ad and bucket (minute, hour or day, UTC) in [from, to).
 --
--- Exact by construction: a batch row replaced by a later version (a retried, replayed
--- or zombie flush) must never be summed twice, so the table is read through FINAL,
--- which keeps only the highest version per (ad_id, time, topic, partition,
--- batch_start) even before the background merges ran; the batches of a bucket are then
--- summed. The same holds for the hourly and daily roll-ups (sql/004), which answer the
--- same question with fewer rows when the buckets and the range are whole hours or days. Every filter is on a sorting-key column, so it gives the same rows whether
--- the server applies it before or after the FINAL merge. (argMax(clicks, version) per
--- batch row is exact too, but it holds every key of the range in memory.)
+-- Three sources, summed: whole days from the sealed days, whole hours from the sealed
+-- hours, and everything else (partial hours at the ends of the range, hours not sealed
+-- yet, hours written since their seal, minute buckets) from the minute rows. Which
+-- (topic, day) and (topic, hour) come from the sealed tables is decided by
+-- `clickagg query` from the seal records and the touched-hour markers (src/seal/split.rs):
+-- a sealed hour is read only while no minute row was written to it after its seal, so
+-- the sum equals the minute rows alone. `covered` lists every (topic, hour) the sealed
+-- part holds; the minute part leaves those out.
+--
+-- Exact by construction: a row replaced by a later version (a retried, replayed or
+-- zombie flush; a re-seal) must never be summed twice, so every table is read through
+-- FINAL, which keeps only the highest version per sorting key even before the
+-- background merges ran; the minute rows of a bucket's batches are then summed. Every
+-- filter is on a sorting-key column, so it gives the same rows whether the server
+-- applies it before or after the FINAL merge (the minute part filters in PREWHERE, so
+-- only the rows in range reach the merge).
 --
 -- The ad filter is `all_ads OR ad_id IN (...)`, not `empty(ads) OR has(ads, ad_id)`:
 -- ClickHouse 18.16 folds a literal 0/1 but not empty(...) when it picks granules by
@@ -15,37 +23,59 @@
 -- every ad (6 M rows instead of 40 k in scripts/bench-query).
 --
 -- Parameters:
---   table, time  the table and its time column: ad_clicks_minute/minute,
---                ad_clicks_hour/hour (by hour or day over whole hours) or
---                ad_clicks_day/day (by day over whole days)
---   from, to  bucket range [from, to), UTC: '2026-11-30 00:00:00' or Unix seconds
---   by        'minute', 'hour' or 'day'
---   all_ads   1: every ad, `ads` is ignored; 0: only the ads in `ads`
---   ads       the ads when all_ads = 0, e.g. '[17,42]' ('[]' otherwise)
---   topic     '' for every topic, or one Kafka topic
+--   sealed_days   (topic, day) pairs read from ad_clicks_sealed_day ([] for none; only
+--                 when by = 'day')
+--   sealed_hours  (topic, hour) pairs read from ad_clicks_sealed_hour (by 'hour' or 'day')
+--   covered       every (topic, hour) of those days and hours
+--   from, to      the minute rows read: [from, to), UTC ('2026-11-30 00:00:00' or Unix
+--                 seconds); from = to reads none
+--   by            'minute', 'hour' or 'day'
+--   all_ads       1: every ad, `ads` is ignored; 0: only the ads in `ads`
+--   ads           the ads when all_ads = 0, e.g. '[17,42]' ('[]' otherwise)
+--   topic         '' for every topic, or one Kafka topic (the sealed pairs name theirs)
 --
--- Run it with a current clickhouse-client, which sends the parameters to the server:
+-- With nothing sealed (sealed_days, sealed_hours and covered all '[]') it is the plain
+-- read of the minute rows; run it so with a current clickhouse-client, which sends the
+-- parameters to the server:
 --
 --   clickhouse-client --database clickagg \
---     --param_table=ad_clicks_hour --param_time=hour \
+--     --param_sealed_days='[]' --param_sealed_hours='[]' --param_covered='[]' \
 --     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
 --     --param_by=hour --param_all_ads=1 --param_ads='[]' --param_topic='' \
 --     < sql/billing.sql
 --
--- ClickHouse 18.16 knows no query parameters: there, `clickagg query --print-sql ...`
--- prints this query with the values written in, ready for `clickhouse-client`.
--- `clickagg query` runs this same file (it writes the values in client-side).
-SELECT
-    ad_id,
-    toUInt32(multiIf(
-        {by:String} = 'day', toStartOfDay({time:Identifier}),
-        {by:String} = 'hour', toStartOfHour({time:Identifier}),
-        {time:Identifier})) AS bucket,
-    sum(clicks) AS clicks
-FROM {table:Identifier} FINAL
-WHERE {time:Identifier} >= {from:DateTime('UTC')}
-  AND {time:Identifier} < {to:DateTime('UTC')}
-  AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
-  AND ({topic:String} = '' OR topic = {topic:String})
+-- `clickagg query --print-sql ...` prints it with the sealed part of its range and
+-- every value written in, ready for `clickhouse-client` (ClickHouse 18.16 knows no
+-- query parameters). `clickagg query` runs this same file.
+SELECT ad_id, bucket, sum(clicks) AS clicks
+FROM
+(
+    SELECT ad_id, toUInt32(day) AS bucket, clicks
+    FROM ad_clicks_sealed_day FINAL
+    WHERE (topic, day) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
+                           FROM (SELECT arrayJoin({sealed_days:Array(Tuple(String, DateTime('UTC')))}) AS s))
+      AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+    UNION ALL
+    SELECT ad_id, toUInt32(multiIf({by:String} = 'day', toStartOfDay(hour), hour)) AS bucket, clicks
+    FROM ad_clicks_sealed_hour FINAL
+    WHERE (topic, hour) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
+                            FROM (SELECT arrayJoin({sealed_hours:Array(Tuple(String, DateTime('UTC')))}) AS s))
+      AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+    UNION ALL
+    SELECT
+        ad_id,
+        toUInt32(multiIf(
+            {by:String} = 'day', toStartOfDay(minute),
+            {by:String} = 'hour', toStartOfHour(minute),
+            minute)) AS bucket,
+        clicks
+    FROM ad_clicks_minute FINAL
+    PREWHERE minute >= {from:DateTime('UTC')}
+      AND minute < {to:DateTime('UTC')}
+      AND ({topic:String} = '' OR topic = {topic:String})
+      AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+      AND (topic, toStartOfHour(minute)) NOT IN (SELECT tupleElement(c, 1), tupleElement(c, 2)
+                                                 FROM (SELECT arrayJoin({covered:Array(Tuple(String, DateTime('UTC')))}) AS c))
+)
 GROUP BY ad_id, bucket
 ORDER BY ad_id, bucket

@@ -1,22 +1,20 @@
--- Billing counts of the top ads: the `top` ads with the most clicks in [from, to)
+-- Billing counts of the top ads: the `top` ads with the most clicks in the range
 -- (ties: the lower ad_id first), with their clicks per bucket (minute, hour or day,
--- UTC) in that range. Read through FINAL like sql/billing.sql; see there why that is
--- exact.
+-- UTC). Read like sql/billing.sql (sealed days, sealed hours, minute rows, each through
+-- FINAL); see there why that is exact and what the parameters mean.
 --
--- One pass: the innermost query is sql/billing.sql (every ad's buckets, through FINAL,
--- which ClickHouse 18.16 merges single-threaded: the expensive part); the middle one
--- gathers each ad's buckets into arrays with its total and keeps the `top` ads; ARRAY
--- JOIN turns their arrays back into rows. Ranking in a separate read (`ad_id IN (top
--- ads)`) would read the range through FINAL twice.
+-- One pass: the innermost query is sql/billing.sql (every ad's buckets); the middle
+-- one gathers each ad's buckets into arrays with its total and keeps the `top` ads;
+-- ARRAY JOIN turns their arrays back into rows. Ranking in a separate read (`ad_id IN
+-- (top ads)`) would read the range twice.
 --
--- Parameters: those of sql/billing.sql (table, time, from, to, by, all_ads, ads, topic;
--- the ads filter narrows the candidates), and
+-- Parameters: those of sql/billing.sql, and
 --   top         how many ads, e.g. 10
 --
--- Run it with a current clickhouse-client:
+-- Run it with a current clickhouse-client (nothing sealed):
 --
 --   clickhouse-client --database clickagg \
---     --param_table=ad_clicks_day --param_time=day \
+--     --param_sealed_days='[]' --param_sealed_hours='[]' --param_covered='[]' \
 --     --param_from='2026-11-30 00:00:00' --param_to='2026-12-01 00:00:00' \
 --     --param_by=day --param_all_ads=1 --param_ads='[]' --param_topic='' --param_top=10 \
 --     < sql/billing_top.sql
@@ -24,7 +22,7 @@
 -- The rows come ordered by ad_id; `clickagg query --top N` lists the ads by their
 -- total, largest first. On ClickHouse 18.16 use `clickagg query --print-sql ...`.
 --
--- On a cluster (`clickagg migrate --cluster`) the table is Distributed and sharded by
+-- On a cluster (`clickagg migrate --cluster`) every table is Distributed and sharded by
 -- ad_id: every ad's rows are on one shard, the inner GROUP BY is merged across shards,
 -- and the ranking runs once over the merged totals.
 SELECT ad_id, bucket, clicks
@@ -33,18 +31,36 @@ FROM
     SELECT ad_id, groupArray(bucket) AS buckets, groupArray(bucket_clicks) AS counts, sum(bucket_clicks) AS total
     FROM
     (
-        SELECT
-            ad_id,
-            toUInt32(multiIf(
-                {by:String} = 'day', toStartOfDay({time:Identifier}),
-                {by:String} = 'hour', toStartOfHour({time:Identifier}),
-                {time:Identifier})) AS bucket,
-            sum(clicks) AS bucket_clicks
-        FROM {table:Identifier} FINAL
-        WHERE {time:Identifier} >= {from:DateTime('UTC')}
-          AND {time:Identifier} < {to:DateTime('UTC')}
-          AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
-          AND ({topic:String} = '' OR topic = {topic:String})
+        SELECT ad_id, bucket, sum(clicks) AS bucket_clicks
+        FROM
+        (
+            SELECT ad_id, toUInt32(day) AS bucket, clicks
+            FROM ad_clicks_sealed_day FINAL
+            WHERE (topic, day) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
+                                   FROM (SELECT arrayJoin({sealed_days:Array(Tuple(String, DateTime('UTC')))}) AS s))
+              AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+            UNION ALL
+            SELECT ad_id, toUInt32(multiIf({by:String} = 'day', toStartOfDay(hour), hour)) AS bucket, clicks
+            FROM ad_clicks_sealed_hour FINAL
+            WHERE (topic, hour) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
+                                    FROM (SELECT arrayJoin({sealed_hours:Array(Tuple(String, DateTime('UTC')))}) AS s))
+              AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+            UNION ALL
+            SELECT
+                ad_id,
+                toUInt32(multiIf(
+                    {by:String} = 'day', toStartOfDay(minute),
+                    {by:String} = 'hour', toStartOfHour(minute),
+                    minute)) AS bucket,
+                clicks
+            FROM ad_clicks_minute FINAL
+            PREWHERE minute >= {from:DateTime('UTC')}
+              AND minute < {to:DateTime('UTC')}
+              AND ({topic:String} = '' OR topic = {topic:String})
+              AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+              AND (topic, toStartOfHour(minute)) NOT IN (SELECT tupleElement(c, 1), tupleElement(c, 2)
+                                                         FROM (SELECT arrayJoin({covered:Array(Tuple(String, DateTime('UTC')))}) AS c))
+        )
         GROUP BY ad_id, bucket
     )
     GROUP BY ad_id

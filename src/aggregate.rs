@@ -1,5 +1,4 @@
-//! The aggregator: per-partition, offset-aligned batches of per-ad per-minute counts,
-//! with the same counts rolled up per hour and per day for billing reads.
+//! The aggregator: per-partition, offset-aligned batches of per-ad per-minute counts.
 //!
 //! Pure and synchronous — no I/O, no clocks. The pipeline tells it which offsets were
 //! read and which of them were counted clicks; it hands back [`Flush`]es: the rows to
@@ -10,10 +9,8 @@
 //! the cumulative count of a bucket at offset `o` is a function of the log alone, and
 //! never decreases as `o` grows. A row carries `(clicks, version = o)`, so any retried,
 //! replayed or zombie write of the same batch either repeats a row or loses to a row
-//! with a higher version in `ReplacingMergeTree(version)`. The hourly and daily rows of
-//! a batch are the same cumulative counts summed per hour or day, cut at the same
-//! offsets, so they carry the same batch identity and versions and are exact in the
-//! same way.
+//! with a higher version in `ReplacingMergeTree(version)`. Hours and days are not
+//! written here: the sealer (`seal`) compacts settled minute rows into them.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -27,7 +24,8 @@ pub struct BucketKey {
     pub minute: Minute,
 }
 
-/// How coarse a bucket is: the minute table and its roll-ups.
+/// How coarse a billing bucket is: what `query --by` asks for and what the sealer
+/// compacts minutes into.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Grain {
     Minute,
@@ -35,31 +33,10 @@ pub enum Grain {
     Day,
 }
 
-impl Grain {
-    pub const ALL: [Grain; 3] = [Grain::Minute, Grain::Hour, Grain::Day];
-
-    /// Bucket width in seconds.
-    pub fn seconds(self) -> u32 {
-        match self {
-            Grain::Minute => 60,
-            Grain::Hour => 3_600,
-            Grain::Day => 86_400,
-        }
-    }
-
-    /// The start (UTC) of the bucket of this grain holding `minute`.
-    pub fn truncate(self, minute: Minute) -> Minute {
-        let s = minute.epoch_seconds();
-        Minute::from_epoch_seconds(s - s % self.seconds())
-    }
-}
-
-/// One row for `ad_clicks_minute`, `ad_clicks_hour` or `ad_clicks_day` (the topic is
-/// added by the sink).
+/// One row for `ad_clicks_minute` (the topic is added by the sink).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchRow {
-    pub grain: Grain,
-    /// The ad and the start of the minute, hour or day.
+    /// The ad and the minute.
     pub key: BucketKey,
     pub partition: i32,
     pub batch_start: i64,
@@ -138,17 +115,17 @@ struct Batch {
     start: i64,
     /// Last offset read (counted or not); the version of rows cut now.
     last_offset: i64,
-    /// Cumulative clicks per bucket (of every grain) in this batch, and whether the
-    /// bucket changed since the last flush (only changed buckets are written: fewer
-    /// rows per click).
-    buckets: HashMap<(Grain, BucketKey), Bucket>,
+    /// Cumulative clicks per minute bucket in this batch, and whether the bucket
+    /// changed since the last flush (only changed buckets are written: fewer rows per
+    /// click).
+    buckets: HashMap<BucketKey, Bucket>,
     /// Pins of this batch not flushed yet.
     pins: Vec<(i64, Pin)>,
 }
 
 impl Batch {
     fn minute_buckets(&self) -> usize {
-        self.buckets.keys().filter(|(g, _)| *g == Grain::Minute).count()
+        self.buckets.len()
     }
 
     fn new(start: i64, offset: i64) -> Batch {
@@ -157,10 +134,9 @@ impl Batch {
 
     fn cut_rows(&mut self, partition: i32, flush: &mut Flush) {
         flush.pins.extend(self.pins.drain(..).map(|(offset, pin)| PinRow { partition, offset, pin }));
-        for (&(grain, key), b) in self.buckets.iter_mut() {
+        for (&key, b) in self.buckets.iter_mut() {
             if std::mem::take(&mut b.dirty) || b.contested {
                 flush.rows.push(BatchRow {
-                    grain,
                     key,
                     partition,
                     batch_start: self.start,
@@ -201,7 +177,7 @@ pub struct Aggregator {
     n: BatchOffsets,
     partitions: HashMap<i32, PartitionState>,
     /// Minute buckets held across all batches; what `pipeline.max_unflushed_buckets`
-    /// bounds (the roll-up buckets are never more).
+    /// bounds.
     buckets_held: usize,
 }
 
@@ -240,16 +216,13 @@ impl Aggregator {
         batch.last_offset = offset;
         let touched = counted.or(pin.map(|(_, key)| key));
         if let Some(key) = touched {
-            for grain in Grain::ALL {
-                let key = BucketKey { ad_id: key.ad_id, minute: grain.truncate(key.minute) };
-                let bucket = batch.buckets.entry((grain, key)).or_insert_with(|| {
-                    self.buckets_held += usize::from(grain == Grain::Minute);
-                    Bucket::default()
-                });
-                bucket.clicks += u64::from(counted.is_some());
-                bucket.dirty = true;
-                bucket.contested |= matches!(pin, Some((Pin::CrossDuplicate, _)));
-            }
+            let bucket = batch.buckets.entry(key).or_insert_with(|| {
+                self.buckets_held += 1;
+                Bucket::default()
+            });
+            bucket.clicks += u64::from(counted.is_some());
+            bucket.dirty = true;
+            bucket.contested |= matches!(pin, Some((Pin::CrossDuplicate, _)));
         }
         if let Some((pin, _)) = pin {
             batch.pins.push((offset, pin));
@@ -305,7 +278,7 @@ impl Aggregator {
                 self.buckets_held -= held(&state);
             }
         }
-        flush.rows.sort_by_key(|r| (r.grain, r.partition, r.batch_start, r.key));
+        flush.rows.sort_by_key(|r| (r.partition, r.batch_start, r.key));
         flush
     }
 
@@ -352,49 +325,29 @@ mod tests {
         BatchOffsets::new(v).unwrap()
     }
 
-    /// A stand-in for the three `ReplacingMergeTree(version)` tables read with FINAL: per
-    /// grain, batch and bucket keep the row with the highest version, then sum over batches.
+    /// A stand-in for the `ReplacingMergeTree(version)` minute table read with FINAL: per
+    /// batch and bucket keep the row with the highest version, then sum over batches.
     #[derive(Default)]
     struct Table {
-        rows: HashMap<(Grain, i32, i64, BucketKey), (u64, i64)>,
+        rows: HashMap<(i32, i64, BucketKey), (u64, i64)>,
     }
 
     impl Table {
         fn apply(&mut self, flush: &Flush) {
             for r in &flush.rows {
-                let slot =
-                    self.rows.entry((r.grain, r.partition, r.batch_start, r.key)).or_insert((r.clicks, r.version));
+                let slot = self.rows.entry((r.partition, r.batch_start, r.key)).or_insert((r.clicks, r.version));
                 if r.version >= slot.1 {
                     *slot = (r.clicks, r.version);
                 }
             }
         }
-        fn billing_of(&self, grain: Grain) -> BTreeMap<BucketKey, u64> {
+        fn billing(&self) -> BTreeMap<BucketKey, u64> {
             let mut out = BTreeMap::new();
-            for ((g, _, _, k), (c, _)) in &self.rows {
-                if *g == grain {
-                    *out.entry(*k).or_default() += c;
-                }
+            for ((_, _, k), (c, _)) in &self.rows {
+                *out.entry(*k).or_default() += c;
             }
             out
         }
-        fn billing(&self) -> BTreeMap<BucketKey, u64> {
-            self.billing_of(Grain::Minute)
-        }
-    }
-
-    /// The minute rows of a flush.
-    fn minutes(f: &Flush) -> Vec<BatchRow> {
-        f.rows.iter().filter(|r| r.grain == Grain::Minute).cloned().collect()
-    }
-
-    /// Minute counts summed into the buckets of `grain`.
-    fn rolled_up(minutes: &BTreeMap<BucketKey, u64>, grain: Grain) -> BTreeMap<BucketKey, u64> {
-        let mut out = BTreeMap::new();
-        for (k, c) in minutes {
-            *out.entry(BucketKey { ad_id: k.ad_id, minute: grain.truncate(k.minute) }).or_default() += c;
-        }
-        out
     }
 
     #[test]
@@ -416,10 +369,8 @@ mod tests {
         agg.observe(0, 1, None, None);
         agg.observe(0, 2, Some(key(1, 0)), None);
         let f = agg.take_flush();
-        let row =
-            BatchRow { grain: Grain::Minute, key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 };
-        assert_eq!(minutes(&f), vec![row]);
-        assert_eq!(f.rows.len(), 3, "the minute row and its hour and day roll-ups");
+        let row = BatchRow { key: key(1, 0), partition: 0, batch_start: 0, clicks: 2, version: 2 };
+        assert_eq!(f.rows, vec![row], "one minute row; hours and days are the sealer's");
         // The flushed position, although the batch is open: a restart reads from the batch
         // boundary at or below it (0) and rebuilds the batch's rows as they were.
         assert_eq!(f.commits, BTreeMap::from([(0, 3)]));
@@ -438,7 +389,7 @@ mod tests {
         agg.take_flush();
         agg.observe(0, 2, Some(key(2, 0)), None);
         let f = agg.take_flush();
-        assert_eq!(minutes(&f).len(), 1);
+        assert_eq!(f.rows.len(), 1);
         assert_eq!(f.rows[0].key, key(2, 0));
         assert!(agg.take_flush().rows.is_empty());
     }
@@ -453,7 +404,7 @@ mod tests {
         agg.observe(1, 5, Some(key(1, 0)), None);
         agg.observe(1, 23, None, None); // offsets 6..23 compacted away
         let f = agg.take_flush();
-        assert_eq!(minutes(&f).len(), 1);
+        assert_eq!(f.rows.len(), 1);
         assert_eq!(f.commits, BTreeMap::from([(0, 10), (1, 24)]));
         assert_eq!(agg.buckets_held(), 0);
     }
@@ -464,7 +415,7 @@ mod tests {
         agg.observe(0, 0, Some(key(1, 0)), None);
         agg.observe(1, 0, Some(key(1, 0)), None);
         let f = agg.take_partitions(&[1]);
-        assert_eq!(minutes(&f).len(), 1);
+        assert_eq!(f.rows.len(), 1);
         assert_eq!(f.commits, BTreeMap::from([(1, 1)]));
         assert_eq!(agg.partitions().collect::<Vec<_>>(), vec![0]);
         assert_eq!(agg.buckets_held(), 1);
@@ -479,7 +430,7 @@ mod tests {
         agg.observe(0, 1, None, Some((Pin::CrossDuplicate, key(2, 0))));
         let f = agg.take_flush();
         assert_eq!(f.pins.len(), 1);
-        let row = |k| minutes(&f).iter().find(|r| r.key == k).map(|r| r.clicks);
+        let row = |k| f.rows.iter().find(|r| r.key == k).map(|r| r.clicks);
         assert_eq!((row(key(1, 0)), row(key(2, 0))), (Some(1), Some(0)));
         assert!(agg.take_flush().pins.is_empty(), "a pin is written once");
     }
@@ -538,11 +489,7 @@ mod tests {
                 }
             }
             table.apply(&agg.take_flush());
-            prop_assert_eq!(table.billing(), expected.clone());
-            // The roll-ups answer the same: each is the minute counts summed per hour or day.
-            for grain in [Grain::Hour, Grain::Day] {
-                prop_assert_eq!(table.billing_of(grain), rolled_up(&expected, grain));
-            }
+            prop_assert_eq!(table.billing(), expected);
         }
 
         /// A consumer that crashes and restarts from its last commit, at any point, rebuilds

@@ -1,7 +1,7 @@
 //! The flusher: the one task that makes flushes durable, and the one owner of commits.
 //!
 //! Flushes arrive in order on a bounded channel. Each is written completely — its dead
-//! letters acknowledged, its pins, then its rows (roll-ups first) — and only then are
+//! letters acknowledged, its pins, then its rows and their hour markers — and only then are
 //! the offsets it allows committed, and only then does the next flush start: a later
 //! flush's commits assume the earlier rows are durable (docs/DESIGN.md §8). Meanwhile the
 //! member goes on reading and deciding. When the channel is full the member waits to

@@ -48,11 +48,24 @@ impl RedisTrouble {
     /// Reads a Redis error: OOM (maxmemory reached with noeviction) and READONLY (the
     /// node became a replica, e.g. after a failover) are the two ways a reachable Redis
     /// refuses writes; anything else counts as unreachable.
+    ///
+    /// Claims go in a pipeline, and a pipeline's error carries the server errors of its
+    /// commands: `code()` reports only the kinds the client knows (READONLY), not OOM,
+    /// so the codes are read from the server errors themselves.
     pub fn of(error: &redis::RedisError) -> RedisTrouble {
-        match error.code() {
-            Some("OOM") => RedisTrouble::OutOfMemory,
-            Some("READONLY") => RedisTrouble::ReadOnly,
-            _ => RedisTrouble::Unreachable,
+        let server = error.clone().into_server_errors();
+        let codes = server.iter().flat_map(|errors| errors.iter().map(|(_, e)| e.code()));
+        Self::of_codes(codes.chain(error.code()))
+    }
+
+    fn of_codes<'a>(codes: impl IntoIterator<Item = &'a str>) -> RedisTrouble {
+        let codes: Vec<&str> = codes.into_iter().collect();
+        if codes.contains(&"OOM") {
+            RedisTrouble::OutOfMemory
+        } else if codes.contains(&"READONLY") {
+            RedisTrouble::ReadOnly
+        } else {
+            RedisTrouble::Unreachable
         }
     }
 
@@ -129,6 +142,19 @@ impl Health {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_is_read_from_any_server_error_of_a_pipeline() {
+        let server = |reply: &[u8]| redis::parse_redis_value(reply).unwrap().extract_error().unwrap_err();
+        assert_eq!(RedisTrouble::of(&server(b"-OOM command not allowed\r\n")), RedisTrouble::OutOfMemory);
+        assert_eq!(RedisTrouble::of(&server(b"-READONLY You can't write\r\n")), RedisTrouble::ReadOnly);
+        assert_eq!(RedisTrouble::of(&server(b"-ERR something else\r\n")), RedisTrouble::Unreachable);
+        let io = redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(RedisTrouble::of(&io), RedisTrouble::Unreachable);
+        // What a pipeline's error yields: one code per failed command, unknown kinds too.
+        assert_eq!(RedisTrouble::of_codes(["ERR", "OOM"]), RedisTrouble::OutOfMemory);
+        assert_eq!(RedisTrouble::of_codes(["READONLY"]), RedisTrouble::ReadOnly);
+    }
 
     #[test]
     fn ready_is_redis_and_clickhouse_answering_and_claims_accepted_with_or_without_partitions() {

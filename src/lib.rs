@@ -9,13 +9,17 @@
 //!   failing service (transient → retry with backoff, fatal → stop); values that never print.
 //! - [`dedup`], [`aggregate`]: which clicks count (the definition, record clocks, pure
 //!   decisions, the private state a reader rebuilds from the log); offset-aligned batches.
-//! - [`config`], [`position`]: typed settings; where a reader starts a partition.
+//! - [`config`], [`position`], [`sealing`]: typed settings; where a reader starts a
+//!   partition; when an hour is due for sealing, how a seal is versioned and how a read
+//!   splits into sealed and minute rows.
 //! - [`source`], [`sink`], [`cache`], [`dead_letter`], [`telemetry`], [`status`],
 //!   [`health`]: Kafka, ClickHouse, the Redis cache of dedup state, the dead-letter topic,
 //!   logs and metrics, what a member reports and the flags readiness is made of.
 //! - [`pipeline`]: the stages' state and what they do to a poll batch (no I/O).
-//! - [`planner`], [`flusher`]: the look-ups that decide where readers start; durable
-//!   writes, then commits.
+//! - [`planner`], [`flusher`], [`seal`]: the look-ups that decide where readers start;
+//!   durable writes, then commits; the sealer's rounds, which compact settled minute rows
+//!   into sealed hours and days and re-seal them when those change, with the lease that
+//!   keeps one sealer at a time.
 //! - [`member`], [`replay`], [`reconcile`], [`query`], [`server`], [`produce`],
 //!   [`verify`]: the processes and what they serve.
 //! - [`commands`]: the flags and one function per subcommand.
@@ -40,6 +44,8 @@ pub mod query;
 pub mod reconcile;
 pub mod replay;
 pub mod retry;
+pub mod seal;
+pub mod sealing;
 pub mod secrets;
 pub mod server;
 pub mod sink;

@@ -630,7 +630,7 @@ impl Stages {
             Some(_) => false,
             None => true,
         });
-        let buckets = all.rows.iter().filter(|r| r.grain == crate::aggregate::Grain::Minute).count();
+        let buckets = all.rows.len();
         Job {
             flush: all,
             clocks: std::mem::take(&mut self.clocks),

@@ -1,5 +1,6 @@
 //! `clickagg query`: billing counts from ClickHouse, per ad and minute, hour or day,
-//! through the one billing read (`sink::billing`), printed as a table, CSV or JSON.
+//! through the one billing read (`sink::billing`: sealed days and hours where they are
+//! current, minute rows for the rest), printed as a table, CSV or JSON.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -11,8 +12,8 @@ use clap::{Args, ValueEnum};
 
 use crate::aggregate::Grain;
 use crate::config::Settings;
-use crate::sink::billing::{billing_sql, BillingRequest};
-pub use crate::sink::billing::{grain_for, BillingRow, BILLING_SQL, BILLING_TOP_SQL};
+use crate::sink::billing::{billing_sql, check, unsealed, BillingRequest};
+pub use crate::sink::billing::{BillingRow, BILLING_SQL, BILLING_TOP_SQL};
 use crate::sink::Sink;
 
 /// The bucket width of the counts. Buckets are UTC: the table stores UTC minutes and
@@ -86,7 +87,8 @@ pub struct QueryArgs {
     #[arg(long, value_name = "TOPIC")]
     pub only_topic: Option<String>,
     /// Print the SQL with the values written in (for clickhouse-client on servers
-    /// without query parameters) instead of running it.
+    /// without query parameters), with the range split into sealed and unsealed parts
+    /// as it is now, instead of running it.
     #[arg(long)]
     pub print_sql: bool,
 }
@@ -119,15 +121,17 @@ pub fn request(args: &QueryArgs) -> Result<BillingRequest> {
     })
 }
 
-/// The billing SQL for `args`, with the values written in.
+/// The billing SQL for `args` as it reads with nothing sealed (every bucket from the
+/// minute rows), with the values written in.
 pub fn sql(args: &QueryArgs) -> Result<String> {
-    billing_sql(&request(args)?).map_err(anyhow::Error::msg)
+    let request = request(args)?;
+    billing_sql(&request, &unsealed(&request)).map_err(anyhow::Error::msg)
 }
 
 /// Runs the billing query; rows ordered as [`QueryArgs`] describes.
 pub async fn query(sink: &Sink, args: &QueryArgs) -> Result<Vec<BillingRow>> {
     let request = request(args)?;
-    billing_sql(&request).map_err(anyhow::Error::msg)?;
+    check(&request).map_err(anyhow::Error::msg)?;
     let rows = sink.billing_rows(&request).await.context("billing query failed")?;
     Ok(if args.top.is_some() { by_total_descending(rows) } else { rows })
 }
@@ -182,13 +186,18 @@ pub fn render(rows: &[BillingRow], format: Format) -> String {
 
 /// `clickagg query`: print the counts, or the SQL with `--print-sql`.
 pub async fn run(settings: &Settings, args: &QueryArgs) -> Result<ExitCode> {
-    // Built first so that a bad flag is reported as such, not as a failed query.
-    let text = sql(args)?;
+    // Checked first so that a bad flag is reported as such, not as a failed query.
+    let request = request(args)?;
+    check(&request).map_err(anyhow::Error::msg)?;
+    let sink = Sink::new(&settings.clickhouse).with_seal_slack(settings.seal.slack);
     if args.print_sql {
+        let text = sink
+            .billing_sql(&request)
+            .await
+            .with_context(|| format!("reading the seals of the range in database {}", sink.database()))?;
         println!("{text}");
         return Ok(ExitCode::SUCCESS);
     }
-    let sink = Sink::new(&settings.clickhouse);
     let rows =
         query(&sink, args).await.with_context(|| format!("querying billing counts in database {}", sink.database()))?;
     print!("{}", render(&rows, args.format));
@@ -217,9 +226,10 @@ mod tests {
     }
 
     #[test]
-    fn the_coarsest_table_that_answers_exactly_is_read() {
+    fn with_nothing_sealed_every_bucket_is_read_from_the_minute_rows() {
         let sql = sql(&QueryArgs { by: By::Day, ..args("2026-11-30", "2026-12-01") }).unwrap();
-        assert!(sql.contains("FROM `ad_clicks_day` FINAL") && sql.contains("toStartOfDay(`day`)"), "{sql}");
+        assert!(sql.contains("PREWHERE minute >= toDateTime(1795996800, 'UTC')"), "{sql}");
+        assert!(sql.contains("arrayJoin(CAST([] AS Array(Tuple(String, DateTime('UTC')))))"), "{sql}");
     }
 
     #[test]

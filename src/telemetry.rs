@@ -73,6 +73,15 @@ pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
 /// Records read whose claims Redis has not answered yet (poll batches in flight).
 pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
+/// Hours and days sealed for the first time, per `grain` (`hour`, `day`).
+pub const SEALS: &str = "clickagg_seals_total";
+/// Sealed hours and days sealed again because their minute rows changed, per `grain`.
+pub const RESEALS: &str = "clickagg_reseals_total";
+/// How far behind the server's clock the end of the newest sealed hour is (every
+/// member reports it, whichever holds the sealer's lease).
+pub const SEAL_LAG: &str = "clickagg_seal_lag_seconds";
+/// Sealing rounds that failed (and were tried again).
+pub const SEAL_ERRORS: &str = "clickagg_seal_errors_total";
 /// Where each of a member's tasks spends its time: `stage` is the task (`loop`, `claimer`,
 /// `flusher`), `state` what it did (`busy`, or what it waited for). Microseconds, as a
 /// counter: `rate()` of it is the fraction of a core.
@@ -110,7 +119,7 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (LAST_FLUSH, Kind::Gauge, "Unix time of the last durable flush that covered the partition."),
     (READY, Kind::Gauge, "1 when /readyz answers 200: Redis and ClickHouse reachable and claims accepted."),
     (FLUSHES, Kind::Counter, "Flushes made durable in ClickHouse."),
-    (ROWS_FLUSHED, Kind::Counter, "Count rows written to ClickHouse (minute, hour and day tables)."),
+    (ROWS_FLUSHED, Kind::Counter, "Minute rows written to ClickHouse (hours and days are sealed from them later)."),
     (COMMITTED_OFFSET, Kind::Gauge, "The offset this member last committed for the partition (a batch boundary)."),
     (CONSUMER_LAG, Kind::Gauge, "Records between the partition's committed offset and its log end (librdkafka's statistics)."),
     (REBALANCES, Kind::Counter, "Rebalance callbacks, by kind (assign, revoke)."),
@@ -125,6 +134,10 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
     (STAGE_TIME, Kind::Counter, "Microseconds each task (stage: loop, claimer, flusher) spent per state (busy, or what it waited for)."),
     (POLL_BATCH_RECORDS, Kind::Histogram, "Records per poll batch the loop takes in."),
+    (SEALS, Kind::Counter, "Hours and days sealed for the first time, by grain (hour, day)."),
+    (RESEALS, Kind::Counter, "Sealed hours and days sealed again because their minute rows changed, by grain."),
+    (SEAL_LAG, Kind::Gauge, "Seconds the end of the newest sealed hour lies behind the server's clock."),
+    (SEAL_ERRORS, Kind::Counter, "Sealing rounds that failed (and were tried again)."),
     (BUILD_INFO, Kind::Gauge, "Always 1; the labels say which clickagg runs: version, git_sha and rustc where known."),
 ];
 
@@ -212,8 +225,13 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         REDIS_RETRIES,
         CLICKHOUSE_ERRORS,
         CLICKHOUSE_RETRIES,
+        SEAL_ERRORS,
     ] {
         metrics::counter!(name).absolute(0);
+    }
+    for grain in ["hour", "day"] {
+        metrics::counter!(SEALS, "grain" => grain).absolute(0);
+        metrics::counter!(RESEALS, "grain" => grain).absolute(0);
     }
     for reason in crate::click::RejectReason::ALL {
         metrics::counter!(INVALID_RECORDS, "reason" => reason.as_str()).absolute(0);
@@ -242,6 +260,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
     metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);
     metrics::gauge!(READY).set(0.0);
     metrics::gauge!(BUCKETS_HELD).set(0.0);
+    // 0 until the member's first look at the sealer's progress, moments after it starts.
+    metrics::gauge!(SEAL_LAG).set(0.0);
 }
 
 /// Installs the tracing subscriber: `RUST_LOG` if set, else the configured filter.

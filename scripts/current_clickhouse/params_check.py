@@ -34,14 +34,28 @@ def literal_time(s):
     return datetime.fromtimestamp(int(s), tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
+PAIRS = re.compile(r"CAST\(\[(.*?)\] AS Array\(Tuple\(String, DateTime\('UTC'\)\)\)\)")
+PAIR = re.compile(r"\('((?:[^'\\]|\\.)*)', toDateTime\((\d+), 'UTC'\)\)")
+
+
+def pairs_param(inner):
+    """The server-side value of a (topic, time) array literal: [('topic','YYYY-MM-DD hh:mm:ss'),...]."""
+    return "[" + ",".join(f"('{t}','{literal_time(s)}')" for t, s in PAIR.findall(inner)) + "]"
+
+
 def params_of(printed, args):
-    table = re.search(r"FROM `(ad_clicks_[a-z]+)` FINAL", printed).group(1)
-    times = re.findall(r"toDateTime\((\d+), 'UTC'\)", printed)
+    # The three (topic, time) arrays, in the files' order: sealed days, sealed hours, covered.
+    arrays = PAIRS.findall(printed)
+    if len(arrays) != 3:
+        raise RuntimeError(f"expected 3 (topic, time) arrays in the printed SQL, found {len(arrays)}")
+    # The minute rows' range: the time literals outside those arrays.
+    times = re.findall(r"toDateTime\((\d+), 'UTC'\)", PAIRS.sub("", printed))
     by = args[args.index("--by") + 1] if "--by" in args else "minute"
     ads = [args[i + 1] for i, a in enumerate(args) if a == "--ad"]
     topic = args[args.index("--only-topic") + 1] if "--only-topic" in args else ""
     params = {
-        "table": table, "time": table.rsplit("_", 1)[1], "from": literal_time(times[0]), "to": literal_time(times[1]),
+        "sealed_days": pairs_param(arrays[0]), "sealed_hours": pairs_param(arrays[1]), "covered": pairs_param(arrays[2]),
+        "from": literal_time(times[0]), "to": literal_time(times[1]),
         "by": by, "all_ads": "0" if ads else "1", "ads": "[" + ",".join(ads) + "]", "topic": topic,
     }
     if "--top" in args:
@@ -62,7 +76,12 @@ def main():
     for args in variants:
         printed = subprocess.run([binary, "query", "--print-sql", *args], check=True, capture_output=True,
                                  text=True).stdout
-        params = params_of(printed, args)
+        try:
+            params = params_of(printed, args)
+        except RuntimeError as e:
+            print(f"  FAILED  {' '.join(args)}: {e}")
+            failed += 1
+            continue
         path = f"{repo}/sql/billing_top.sql" if "top" in params else f"{repo}/sql/billing.sql"
         try:
             substituted = post(url, database, printed, {})

@@ -39,6 +39,9 @@ pub enum Command {
     /// Recount distinct clicks from the topic for a time range and diff against ClickHouse;
     /// exit 0 on an exact match, 4 when the counts differ, 1 when it could not compare.
     Reconcile(crate::reconcile::ReconcileArgs),
+    /// Seal the hours and days that are due and re-seal those written since (one round,
+    /// as a member's sealer runs it); idempotent.
+    Seal(SealArgs),
     /// The consumer group from Kafka and ClickHouse: each partition's owner, lag and last
     /// durable flush; exit 4 when a partition stalled.
     Status(super::status::StatusArgs),
@@ -194,6 +197,20 @@ pub struct MigrateArgs {
     /// commands need too [env: CLICKAGG__CLICKHOUSE__CLUSTER]
     #[arg(long, value_name = "NAME")]
     pub cluster: Option<String>,
+}
+
+#[derive(Debug, Args, Clone, Default)]
+pub struct SealArgs {
+    /// Seal every hour that ends at or before this time (RFC 3339, or a UTC date),
+    /// instead of the hours the group's committed positions make due: after a backfill
+    /// with no member running. Exactness does not depend on it (a later write to a
+    /// sealed hour re-seals it).
+    #[arg(long, value_parser = crate::query::parse_time)]
+    pub through: Option<chrono::DateTime<chrono::Utc>>,
+    /// Also compute every sealed hour from this time on again, and its day: a repair
+    /// after minute rows were written by something that writes no markers.
+    #[arg(long, value_parser = crate::query::parse_time)]
+    pub recompute_from: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 #[derive(Debug, Args, Clone)]

@@ -23,7 +23,7 @@ use crate::server;
 use crate::sink::Sink;
 use crate::telemetry;
 use crate::verify;
-use cli::{Command, MigrateArgs, ProduceArgs, VerifyArgs};
+use cli::{Command, MigrateArgs, ProduceArgs, SealArgs, VerifyArgs};
 
 // Exit codes, the same for every command (README, "Exit codes"): 0 done; 1 could not
 // run or stopped on an error (a service unreachable or refusing, a file unreadable);
@@ -45,6 +45,7 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Query(args) => crate::query::run(&settings, &args).await,
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
+        Command::Seal(args) => seal(&settings, args).await,
         Command::Status(args) => status::run(&settings, &args).await,
         Command::Settings(command) => settings::run(&settings, &command).await,
         Command::Config => {
@@ -225,6 +226,35 @@ fn check(passed: bool) -> ExitCode {
     } else {
         ExitCode::from(EXIT_CHECK_FAILED)
     }
+}
+
+/// `clickagg seal`: one round, retried while ClickHouse or Kafka are unavailable.
+async fn seal(s: &Settings, a: SealArgs) -> Result<ExitCode> {
+    let shutdown = CancellationToken::new();
+    cancel_on_signals(shutdown.clone());
+    let sink = Sink::new(&s.clickhouse);
+    let sealer = match a.through {
+        Some(t) => {
+            let through = u32::try_from(t.timestamp()).context("--through is outside 1970..2106")?;
+            crate::seal::Sealer::new(sink, &s.kafka.topic, crate::seal::Due::Through(through), s.seal.slack)
+        }
+        None => crate::seal::Sealer::for_group(s, sink),
+    };
+    let recompute_from = a
+        .recompute_from
+        .map(|t| u32::try_from(t.timestamp()))
+        .transpose()
+        .context("--recompute-from is outside 1970..2106")?;
+    let started = Instant::now();
+    let report =
+        crate::retry::until_done("sealing", s.pipeline.max_backoff, &shutdown, || sealer.round(recompute_from))
+            .await
+            .map_err(|stopped| match stopped {
+            crate::retry::Stopped::Fatal(e) => anyhow::Error::new(e),
+            crate::retry::Stopped::ShutDown => anyhow::anyhow!("interrupted while sealing"),
+        })?;
+    println!("{} in {:.1}s", report.summary(), started.elapsed().as_secs_f64());
+    Ok(ExitCode::SUCCESS)
 }
 
 /// A progress bar on a terminal; hidden otherwise (logs carry progress there).

@@ -9,6 +9,7 @@
 //! is built by that type from its section.
 
 mod kafka;
+mod redis;
 pub mod secret_files;
 mod validate;
 
@@ -24,6 +25,7 @@ use crate::aggregate::BatchOffsets;
 use crate::click::Limits;
 pub use crate::secrets::{redact_url, Secret, SecretUrl};
 pub use kafka::{KafkaSettings, SaslMechanism, SecurityProtocol, EXACTLY_ONCE_PROPERTIES};
+pub use redis::{RedisSettings, RedisWait};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -35,99 +37,9 @@ pub struct Settings {
     pub pipeline: PipelineSettings,
     pub validation: ValidationSettings,
     pub dead_letter: DeadLetterSettings,
+    pub seal: SealSettings,
     pub http: HttpSettings,
     pub log: LogSettings,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct RedisSettings {
-    /// `redis://` or `rediss://` (TLS); may carry `user:password@`. Several URLs,
-    /// comma-separated, are the seed nodes of a Redis Cluster.
-    pub url: SecretUrl,
-    /// A Redis Cluster: the dedup cache spreads its keys over `slot_groups` hash tags
-    /// and sends each master the claims of the groups it serves. Implied by several
-    /// URLs in `url`; `true` with one URL uses it as the only seed node.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub cluster: Option<bool>,
-    /// Key groups of the cache on a Redis Cluster (16 by default): each is one hash tag,
-    /// so one slot, and every poll batch sends each group one call. More groups spread
-    /// the cache more evenly over more masters, at a call per group per batch. Part of
-    /// the key names: another value starts another cache, warmed up from the log.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub slot_groups: Option<u32>,
-    /// Replicas that must acknowledge a poll batch's claims (`WAIT`) before their
-    /// verdicts are used: a claim a master lost in a failover before its replica had it
-    /// would let a later copy of the click count again. Default 1 on a cluster, 0 on a
-    /// single Redis (set it there when Sentinel may promote a replica).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub wait_replicas: Option<u32>,
-    /// How long a `WAIT` may take before the claims count as failed (and are claimed
-    /// again): a replica that answers later is as good as down.
-    #[serde(with = "humantime_serde")]
-    pub wait_timeout: Duration,
-    /// ACL user, if not in the URL.
-    pub username: Option<String>,
-    pub password: Option<Secret>,
-    /// PEM file of the CA that signed the server certificate, for `rediss://` with a
-    /// private CA (public CAs are trusted from the system store).
-    pub tls_ca_file: Option<PathBuf>,
-    /// Prefix of every dedup key; lets several deployments share one Redis.
-    pub key_prefix: String,
-    /// Deprecated name of `dedup.window`, still read so existing configurations keep
-    /// their window; `dedup.window` wins when both are set.
-    #[serde(with = "humantime_serde", skip_serializing_if = "Option::is_none")]
-    pub dedup_ttl: Option<Duration>,
-    #[serde(with = "humantime_serde")]
-    pub timeout: Duration,
-}
-
-impl Default for RedisSettings {
-    fn default() -> Self {
-        RedisSettings {
-            url: SecretUrl::new("redis://127.0.0.1:6379/"),
-            cluster: None,
-            slot_groups: None,
-            wait_replicas: None,
-            wait_timeout: Duration::from_secs(1),
-            username: None,
-            password: None,
-            tls_ca_file: None,
-            key_prefix: "clickagg:dedup:".into(),
-            dedup_ttl: None,
-            timeout: Duration::from_secs(5),
-        }
-    }
-}
-
-/// How durable a claim must be before its verdict is used: acknowledged by `replicas`
-/// replicas of the master that made it (`WAIT`), within `timeout`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RedisWait {
-    pub replicas: u32,
-    pub timeout: Duration,
-}
-
-impl RedisSettings {
-    /// Whether the dedup cache is a Redis Cluster: `redis.cluster`, or several seed nodes.
-    pub fn is_cluster(&self) -> bool {
-        self.cluster.unwrap_or(self.url.list().len() > 1)
-    }
-
-    /// What the claims wait for: `redis.wait_replicas` (1 on a cluster, 0 otherwise).
-    pub fn wait(&self) -> Option<RedisWait> {
-        let replicas = self.wait_replicas.unwrap_or(u32::from(self.is_cluster()));
-        (replicas > 0).then_some(RedisWait { replicas, timeout: self.wait_timeout })
-    }
-
-    /// Key groups of the cache: `slot_groups` on a cluster (16 by default), one otherwise.
-    pub fn groups(&self) -> u32 {
-        if self.is_cluster() {
-            self.slot_groups.unwrap_or(16)
-        } else {
-            1
-        }
-    }
 }
 
 /// What counts as a duplicate, and how the Redis cache of that decision is kept
@@ -361,6 +273,32 @@ pub struct DeadLetterSettings {
 impl Default for DeadLetterSettings {
     fn default() -> Self {
         DeadLetterSettings { enabled: true, topic: None }
+    }
+}
+
+/// The sealer (README, "Sealed hours"): one member of the group at a time compacts the
+/// minute rows of settled hours into sealed hours and days.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SealSettings {
+    /// Whether members run the sealer (one at a time, through a lease in Redis).
+    /// `clickagg seal` seals either way.
+    pub enabled: bool,
+    /// How often a member checks for hours to seal and re-seal.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// The longest a write's touched-hour marker may take from its server time to being
+    /// readable (an INSERT's duration, a quorum wait) plus the clock skew between
+    /// ClickHouse servers. Markers are scanned this far back, and a sealed hour with a
+    /// marker this close to its seal is read from the minute rows. Larger only costs
+    /// re-seals; smaller than the real delay could leave a late click out of a seal.
+    #[serde(with = "humantime_serde")]
+    pub slack: Duration,
+}
+
+impl Default for SealSettings {
+    fn default() -> Self {
+        SealSettings { enabled: true, interval: Duration::from_secs(30), slack: Duration::from_secs(60) }
     }
 }
 

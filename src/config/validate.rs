@@ -18,6 +18,12 @@ impl Settings {
         if p.max_poll_records == 0 {
             problems.push("pipeline.max_poll_records must be at least 1".to_string());
         }
+        if self.seal.interval.is_zero() {
+            problems.push("seal.interval must be longer than 0".to_string());
+        }
+        if self.seal.slack < Duration::from_secs(1) {
+            problems.push("seal.slack must be at least 1s (markers carry whole seconds)".to_string());
+        }
         if p.flush_interval.is_zero() {
             problems.push("pipeline.flush_interval must be longer than 0".to_string());
         }

@@ -103,14 +103,15 @@ impl Member {
             }
             started => started?,
         };
-        let sweeper = CancellationToken::new();
+        // The tasks beside the pipeline (the sweeper, the sealer) stop with the member.
+        let background = CancellationToken::new();
         let holds_given = CancellationToken::new();
         tokio::spawn(crate::cache::sweeper::sweep_forever(
             cache.handle(),
             s.dedup_window(),
             s.dedup.max_record_lag,
             holds_given.clone(),
-            sweeper.clone(),
+            background.clone(),
         ));
         let dead_letters = if s.dead_letter.enabled {
             let topic = s.dead_letter_topic();
@@ -124,6 +125,8 @@ impl Member {
         // reference, so that dropping the consumer (leaving the group) is not delayed.
         let consumer_cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>> = Arc::new(OnceLock::new());
         let fatal = FatalSignal::default();
+        // The sealer: one member of the group at a time (a lease), beside the pipeline.
+        tokio::spawn(crate::seal::task::seal_forever(s.clone(), fatal.clone(), background.clone()));
         let flusher = Arc::new(Flusher::start(FlusherConfig {
             sink: sink.clone(),
             topic: s.kafka.topic.clone(),
@@ -186,7 +189,7 @@ impl Member {
         };
         // Dropping the consumer leaves the group; the revoke callback runs in here.
         drop(consumer);
-        sweeper.cancel();
+        background.cancel();
         let totals = stages.lock().await.totals;
         info!(?totals, rows_flushed = flusher.rows_flushed(), "member stopped");
         exit

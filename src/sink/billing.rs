@@ -5,15 +5,17 @@
 //! run the very same text with `clickhouse-client --param_…`. Those files use
 //! server-side `{name:Type}` placeholders, which ClickHouse 18.16 does not know, so
 //! the values are written in client-side, as typed literals built only from numbers
-//! and escaped strings ([`substitute`]). Both files read through `FINAL`: a batch row
-//! replaced by a later version is never summed twice. The read takes the coarsest
-//! table that answers exactly ([`grain_for`]).
+//! and escaped strings ([`substitute`]). Both files read through `FINAL`: a row
+//! replaced by a later version is never summed twice. A read takes the whole days and
+//! hours of its range that are sealed and current from the sealed tables and the rest
+//! from the minute rows (`sealing::split`), so it equals the minute rows alone.
 
 use clickhouse::Row;
 use serde::Deserialize;
 
-use super::{quote_ident, quote_literal, table_of, Sink, SinkError};
+use super::{quote_ident, quote_literal, Sink, SinkError};
 use crate::aggregate::Grain;
+use crate::sealing::split::{split, Split};
 
 pub const BILLING_SQL: &str = include_str!("../../sql/billing.sql");
 pub const BILLING_TOP_SQL: &str = include_str!("../../sql/billing_top.sql");
@@ -57,6 +59,8 @@ pub enum Param {
     UInt8(u8),
     UInt64(u64),
     ArrayUInt64(Vec<u64>),
+    /// (topic, time) pairs: sealed days, sealed hours, the hours they cover.
+    ArrayTopicTime(Vec<(String, u32)>),
     Identifier(&'static str),
 }
 
@@ -70,6 +74,7 @@ impl Param {
             Param::UInt8(_) => "UInt8",
             Param::UInt64(_) => "UInt64",
             Param::ArrayUInt64(_) => "Array(UInt64)",
+            Param::ArrayTopicTime(_) => "Array(Tuple(String, DateTime('UTC')))",
             Param::Identifier(_) => "Identifier",
         }
     }
@@ -87,6 +92,11 @@ impl Param {
             Param::ArrayUInt64(v) => {
                 let items: Vec<String> = v.iter().map(u64::to_string).collect();
                 format!("CAST([{}] AS Array(UInt64))", items.join(", "))
+            }
+            Param::ArrayTopicTime(v) => {
+                let items: Vec<String> =
+                    v.iter().map(|(topic, t)| format!("({}, toDateTime({t}, 'UTC'))", quote_literal(topic))).collect();
+                format!("CAST([{}] AS Array(Tuple(String, DateTime('UTC'))))", items.join(", "))
             }
             Param::Identifier(name) => quote_ident(name),
         }
@@ -126,17 +136,6 @@ pub fn substitute(sql: &str, params: &[(&str, Param)]) -> Result<String, String>
     Ok(out.trim().to_string())
 }
 
-/// The coarsest grain whose table answers `[from, to)` by `by` exactly: every bucket of
-/// the answer must be a whole number of its buckets, and so must the range.
-pub fn grain_for(by: Grain, from: u32, to: u32) -> Grain {
-    let fits = |g: Grain| from.is_multiple_of(g.seconds()) && to.is_multiple_of(g.seconds());
-    match by {
-        Grain::Day if fits(Grain::Day) => Grain::Day,
-        Grain::Day | Grain::Hour if fits(Grain::Hour) => Grain::Hour,
-        _ => Grain::Minute,
-    }
-}
-
 /// The name of a bucket width in the SQL files' `{by:String}` parameter.
 fn by_name(by: Grain) -> &'static str {
     match by {
@@ -146,20 +145,30 @@ fn by_name(by: Grain) -> &'static str {
     }
 }
 
-/// The billing SQL for `r`, with the values written in.
-pub fn billing_sql(r: &BillingRequest) -> Result<String, String> {
+/// Refuses what no read can answer.
+pub fn check(r: &BillingRequest) -> Result<(), String> {
     if r.from >= r.to {
         return Err("--from must be before --to (the range is [from, to))".into());
     }
     if r.topic.as_deref() == Some("") {
         return Err("--only-topic must not be empty (leave it out for every topic)".into());
     }
-    let (table, time) = table_of(grain_for(r.by, r.from, r.to));
+    if r.top == Some(0) {
+        return Err("--top must be at least 1".into());
+    }
+    Ok(())
+}
+
+/// The billing SQL for `r`, with its range split as `split` says and the values
+/// written in.
+pub fn billing_sql(r: &BillingRequest, split: &Split) -> Result<String, String> {
+    check(r)?;
     let mut params = vec![
-        ("table", Param::Identifier(table)),
-        ("time", Param::Identifier(time)),
-        ("from", Param::DateTimeUtc(r.from)),
-        ("to", Param::DateTimeUtc(r.to)),
+        ("sealed_days", Param::ArrayTopicTime(split.days.clone())),
+        ("sealed_hours", Param::ArrayTopicTime(split.hours.clone())),
+        ("covered", Param::ArrayTopicTime(split.covered.clone())),
+        ("from", Param::DateTimeUtc(split.minutes.0)),
+        ("to", Param::DateTimeUtc(split.minutes.1)),
         ("by", Param::String(by_name(r.by).to_string())),
         ("all_ads", Param::UInt8(u8::from(r.ads.is_empty()))),
         ("ads", Param::ArrayUInt64(r.ads.clone())),
@@ -167,9 +176,8 @@ pub fn billing_sql(r: &BillingRequest) -> Result<String, String> {
     ];
     let file = match r.top {
         None => BILLING_SQL,
-        Some(0) => return Err("--top must be at least 1".into()),
         Some(n) => {
-            // One read of `table` through FINAL ranks the ads and gives their buckets.
+            // One read ranks the ads and gives their buckets.
             params.push(("top", Param::UInt64(n)));
             BILLING_TOP_SQL
         }
@@ -177,12 +185,35 @@ pub fn billing_sql(r: &BillingRequest) -> Result<String, String> {
     substitute(file, &params)
 }
 
+/// The split of a read with nothing sealed: every bucket from the minute rows.
+pub fn unsealed(r: &BillingRequest) -> Split {
+    Split { minutes: (r.from, r.to), ..Split::default() }
+}
+
 impl Sink {
+    /// How a read of `r` splits into sealed days, sealed hours and minute rows, from the
+    /// seal records and markers of its range (one request; none for minute buckets).
+    pub async fn billing_split(&self, r: &BillingRequest) -> Result<Split, SinkError> {
+        check(r).map_err(SinkError::Fatal)?;
+        if r.by == Grain::Minute || r.to - r.from < 3_600 {
+            return Ok(unsealed(r));
+        }
+        let state = self.seal_state(r.topic.as_deref(), r.from, r.to).await?;
+        let current = state.current(self.seal_slack);
+        Ok(split(r.from, r.to, r.by, &state.topics, &current))
+    }
+
+    /// The billing SQL for `r` as it would run now (`query --print-sql`).
+    pub async fn billing_sql(&self, r: &BillingRequest) -> Result<String, SinkError> {
+        let split = self.billing_split(r).await?;
+        billing_sql(r, &split).map_err(SinkError::Fatal)
+    }
+
     /// The billing counts `r` asks for, as the SQL files order them.
     pub async fn billing_rows(&self, r: &BillingRequest) -> Result<Vec<BillingRow>, SinkError> {
         // The client treats `?` as a bind marker and `??` as a literal `?`; a topic name
         // cannot hold one, but an escaped literal must reach the server unchanged anyway.
-        let sql = billing_sql(r).map_err(SinkError::Fatal)?.replace('?', "??");
+        let sql = self.billing_sql(r).await?.replace('?', "??");
         self.timed(self.client.query(&sql).fetch_all::<BillingRow>()).await
     }
 }
@@ -235,12 +266,30 @@ mod tests {
     }
 
     #[test]
-    fn the_coarsest_table_that_answers_exactly_is_read() {
-        let day = 86_400;
-        assert_eq!(grain_for(Grain::Day, day, 3 * day), Grain::Day);
-        assert_eq!(grain_for(Grain::Day, day + 3_600, 3 * day), Grain::Hour, "a partial first day");
-        assert_eq!(grain_for(Grain::Hour, day, 3 * day), Grain::Hour);
-        assert_eq!(grain_for(Grain::Hour, day + 60, 3 * day), Grain::Minute);
-        assert_eq!(grain_for(Grain::Minute, day, 3 * day), Grain::Minute);
+    fn topic_time_pairs_are_typed_literals_and_an_empty_list_keeps_its_type() {
+        assert_eq!(
+            Param::ArrayTopicTime(vec![("it's".into(), 3_600)]).literal(),
+            "CAST([('it\\'s', toDateTime(3600, 'UTC'))] AS Array(Tuple(String, DateTime('UTC'))))"
+        );
+        assert_eq!(Param::ArrayTopicTime(vec![]).literal(), "CAST([] AS Array(Tuple(String, DateTime('UTC'))))");
+    }
+
+    #[test]
+    fn the_split_is_written_into_both_files() {
+        let r = BillingRequest { from: 0, to: 86_400, by: Grain::Day, ads: vec![], topic: None, top: None };
+        let s = Split {
+            days: vec![("t".into(), 0)],
+            hours: vec![],
+            minutes: (0, 0),
+            covered: (0..24).map(|h| ("t".to_string(), h * 3_600)).collect(),
+        };
+        for top in [None, Some(3)] {
+            let sql = billing_sql(&BillingRequest { top, ..r.clone() }, &s).unwrap();
+            assert!(sql.contains("arrayJoin(CAST([('t', toDateTime(0, 'UTC'))] AS"), "{sql}");
+            assert!(sql.contains("minute >= toDateTime(0, 'UTC')\n") || sql.contains("minute >= toDateTime(0, 'UTC')"));
+            assert!(sql.contains("toDateTime(82800, 'UTC')"), "the last covered hour");
+        }
+        assert!(billing_sql(&BillingRequest { from: 5, to: 5, ..r.clone() }, &s).is_err());
+        assert!(billing_sql(&BillingRequest { top: Some(0), ..r }, &s).is_err());
     }
 }

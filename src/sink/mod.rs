@@ -1,7 +1,7 @@
 //! The ClickHouse sink: a handle on one database ([`Sink`]) and what clickagg asks of
 //! it, one file each — the error classes (`error`), the tables and their cluster
-//! form (`schema`), the writes of a flush (`write`), the reads (`read`) and the
-//! per-topic registries (`registry`).
+//! form (`schema`), the writes of a flush (`write`), the reads (`read`), the
+//! per-topic registries (`registry`), and the sealer's reads and writes (`seal`).
 //!
 //! The client is configured for every server the project supports: no compression
 //! (the Debian 18.16 server's HTTP handler fails on the crate's LZ4 frames and the
@@ -15,6 +15,7 @@ mod error;
 mod read;
 mod registry;
 mod schema;
+pub mod seal;
 mod write;
 
 use std::time::Duration;
@@ -27,19 +28,17 @@ pub use registry::{RulesHistory, RulesVersion, REGISTRATION_SETTLE_SECS};
 pub use schema::{cluster_statements, MIGRATIONS, SHARDING};
 pub use write::MAX_MONTHS_PER_INSERT;
 
-use crate::aggregate::Grain;
 use crate::config::ClickHouseSettings;
 
+/// The minute rows every flush writes (`sql/001`).
 pub const TABLE: &str = "ad_clicks_minute";
-
-/// The table and time column of each grain.
-pub fn table_of(grain: Grain) -> (&'static str, &'static str) {
-    match grain {
-        Grain::Minute => (TABLE, "minute"),
-        Grain::Hour => ("ad_clicks_hour", "hour"),
-        Grain::Day => ("ad_clicks_day", "day"),
-    }
-}
+/// Sealed hours and days, their records, the touched-hour markers and the sealer's
+/// progress (`sql/008`).
+pub const SEALED_HOUR: &str = "ad_clicks_sealed_hour";
+pub const SEALED_DAY: &str = "ad_clicks_sealed_day";
+pub const SEALS: &str = "clickagg_seals";
+pub const TOUCHED: &str = "clickagg_touched";
+pub const SEAL_PROGRESS: &str = "clickagg_seal_progress";
 
 /// Who writes a row. Rows of a live member outrank a replay's at the same offset: a
 /// replay that read a cross-partition copy before any member did counted it by its own
@@ -65,6 +64,9 @@ pub struct Sink {
     timeout: Duration,
     /// The cluster the tables live on (`clickhouse.cluster`), for the DDL.
     cluster: Option<String>,
+    /// `seal.slack` in seconds: how close to a seal a marker makes billing reads take
+    /// that hour from the minute rows (`sealing::split`).
+    seal_slack: u32,
 }
 
 impl Sink {
@@ -109,7 +111,15 @@ impl Sink {
             }
         }
         let client = server.clone().with_database(s.database.as_str());
-        Sink { client, server, database: s.database.clone(), timeout: s.request_timeout, cluster: s.cluster.clone() }
+        let seal_slack = crate::config::SealSettings::default().slack.as_secs() as u32;
+        Sink {
+            client,
+            server,
+            database: s.database.clone(),
+            timeout: s.request_timeout,
+            cluster: s.cluster.clone(),
+            seal_slack,
+        }
     }
 
     /// The cluster the tables live on, if any.
@@ -119,6 +129,12 @@ impl Sink {
 
     pub fn database(&self) -> &str {
         &self.database
+    }
+
+    /// Billing reads with `seal.slack` other than its default.
+    pub fn with_seal_slack(mut self, slack: std::time::Duration) -> Sink {
+        self.seal_slack = slack.as_secs().clamp(1, u64::from(u32::MAX)) as u32;
+        self
     }
 
     /// The client bound to the configured database, for read-only commands (`query`).
@@ -186,10 +202,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_grain_has_its_table() {
-        let tables: Vec<&str> = Grain::ALL.iter().map(|&g| table_of(g).0).collect();
-        assert_eq!(tables, ["ad_clicks_minute", "ad_clicks_hour", "ad_clicks_day"]);
-        assert_eq!(schema::statements(MIGRATIONS[3].1).len(), 2);
+    fn the_sealed_hours_migration_creates_every_sealed_table() {
+        let (name, sql) = MIGRATIONS.last().unwrap();
+        assert_eq!(*name, "008_sealed_hours.sql");
+        let created: Vec<String> = schema::statements(sql)
+            .iter()
+            .map(|s| s.trim_start_matches("CREATE TABLE IF NOT EXISTS ").split_whitespace().next().unwrap().to_string())
+            .collect();
+        assert_eq!(created, [SEALED_HOUR, SEALED_DAY, SEALS, TOUCHED, SEAL_PROGRESS]);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use clickhouse::Row;
 use serde::Deserialize;
 
-use super::{table_of, Sink, SinkError, TABLE};
+use super::{Sink, SinkError, TABLE, TOUCHED};
 use crate::aggregate::{BucketKey, Grain};
 use crate::click::Minute;
 use crate::dedup::{PartitionClock, Pin};
@@ -148,8 +148,9 @@ impl Sink {
     /// Per partition of `topic`, the last durable flush: the highest offset its rows
     /// cover and when they were written (server time, Unix s); with the server's clock.
     ///
-    /// Read from the daily roll-up: every flush writes it with the same versions as the
-    /// minute rows (at most one row per ad, day and batch, so far fewer to scan).
+    /// Read from the touched-hour markers: every flush writes, per hour and partition it
+    /// touched, the highest version of its rows (about one row per hour and partition
+    /// once merged, so far fewer to scan than the minute rows).
     pub async fn last_flushes(&self, topic: &str) -> Result<(BTreeMap<i32, LastFlush>, u32), SinkError> {
         #[derive(Row, Deserialize)]
         struct R {
@@ -161,10 +162,9 @@ impl Sink {
         struct Now {
             now: u32,
         }
-        let (day, _) = table_of(Grain::Day);
         let sql = format!(
             "SELECT partition, max(version) AS version, toUInt32(max(written_at)) AS written_at \
-             FROM {day} WHERE topic = ? GROUP BY partition"
+             FROM {TOUCHED} WHERE topic = ? GROUP BY partition"
         );
         let rows: Vec<R> = self.timed(self.client.query(&sql).bind(topic).fetch_all::<R>()).await?;
         let now = self.timed(self.client.query("SELECT toUInt32(now()) AS now").fetch_one::<Now>()).await?;

@@ -128,7 +128,7 @@ impl Sink {
     }
 
     /// Deletes the billing rows of `topic` for every batch at or past `from` (per
-    /// partition), at every grain, and waits until they are gone. A settings change calls
+    /// partition) and waits until they are gone. A settings change calls
     /// it before it records the new version: rows past the committed offsets were decided
     /// under the old settings (an open batch a stopping member flushed, a killed member's
     /// flush, a replay's), and a reader under the new ones replaces a row only for a
@@ -141,8 +141,9 @@ impl Sink {
         let within: Vec<String> =
             from.iter().map(|(&p, &o)| format!("(partition = {} AND batch_start >= {})", p.max(0), o.max(0))).collect();
         let condition = format!("topic = {} AND ({})", super::quote_literal(topic), within.join(" OR "));
-        for grain in crate::aggregate::Grain::ALL {
-            let (table, _) = super::table_of(grain);
+        // The minute rows are the only ones flushes write (sealed hours and days are
+        // computed from them, again whenever they change).
+        for table in [TABLE] {
             let (sql, mutated) = match &self.cluster {
                 None => (format!("ALTER TABLE {table} DELETE WHERE {condition}"), table.to_string()),
                 Some(cluster) => (

@@ -1,36 +1,44 @@
-//! The tables: the migrations in `sql/`, applied by `clickagg migrate`; their cluster
-//! form (replicated local tables and a `Distributed` table over them); and the one-off
-//! backfills of tables added later.
+//! The tables: the migrations in `sql/`, applied by `clickagg migrate`, and their
+//! cluster form (replicated local tables and a `Distributed` table over them).
+//!
+//! Gaps in the numbering are migrations that were retired: `004` (hour and day batch
+//! roll-ups written by every flush) and `005` (the record of their one-off backfill),
+//! replaced by the sealed hours of `008`. An upgraded database keeps those tables
+//! until an operator drops them (README, "Sealed hours").
 
-use super::{classify, quote_ident, quote_literal, table_of, Sink, SinkError, TABLE};
-use crate::aggregate::Grain;
+use super::{
+    quote_ident, quote_literal, Sink, SinkError, SEALED_DAY, SEALED_HOUR, SEALS, SEAL_PROGRESS, TABLE, TOUCHED,
+};
 
 /// The DDL in `sql/`, applied in order by `clickagg migrate`.
 pub const MIGRATIONS: &[(&str, &str)] = &[
     ("001_ad_clicks_minute.sql", include_str!("../../sql/001_ad_clicks_minute.sql")),
     ("002_clickagg_topics.sql", include_str!("../../sql/002_clickagg_topics.sql")),
     ("003_clickagg_pins.sql", include_str!("../../sql/003_clickagg_pins.sql")),
-    ("004_ad_clicks_rollups.sql", include_str!("../../sql/004_ad_clicks_rollups.sql")),
-    ("005_clickagg_backfills.sql", include_str!("../../sql/005_clickagg_backfills.sql")),
     ("006_clickagg_clocks.sql", include_str!("../../sql/006_clickagg_clocks.sql")),
     ("007_clickagg_settings.sql", include_str!("../../sql/007_clickagg_settings.sql")),
+    ("008_sealed_hours.sql", include_str!("../../sql/008_sealed_hours.sql")),
 ];
 
 /// On a ClickHouse cluster, how the rows of each table the migrations create are spread
 /// over the shards (the `Distributed` table's sharding key). Billing reads `FINAL` per
 /// shard and sums across shards, so every version of a row and every row of one (ad,
-/// time bucket) must land on the same shard: all of them share the `ad_id`. The pins
-/// of a partition stay together for its reads; a topic's batch-size registrations on one
-/// shard make the earliest one visible to every member that reads them.
+/// time bucket) must land on the same shard: all of them share the `ad_id`, in the
+/// minute table and the sealed ones alike. The pins of a partition stay together for
+/// its reads; a topic's batch-size registrations on one shard make the earliest one
+/// visible to every member that reads them; a topic's seal records, markers and
+/// progress are read whole.
 pub const SHARDING: &[(&str, &str)] = &[
     (TABLE, "cityHash64(ad_id)"),
-    ("ad_clicks_hour", "cityHash64(ad_id)"),
-    ("ad_clicks_day", "cityHash64(ad_id)"),
     ("clickagg_pins", "cityHash64(topic, partition)"),
     ("clickagg_topics", "cityHash64(topic)"),
-    ("clickagg_backfills", "cityHash64(name)"),
     ("clickagg_clocks", "cityHash64(topic, partition)"),
     ("clickagg_settings", "cityHash64(topic)"),
+    (SEALED_HOUR, "cityHash64(ad_id)"),
+    (SEALED_DAY, "cityHash64(ad_id)"),
+    (SEALS, "cityHash64(topic)"),
+    (TOUCHED, "cityHash64(topic)"),
+    (SEAL_PROGRESS, "cityHash64(topic)"),
 ];
 
 impl Sink {
@@ -58,45 +66,7 @@ impl Sink {
             }
             applied.push(*name);
         }
-        for grain in [Grain::Hour, Grain::Day] {
-            if self.backfill(grain).await? {
-                applied.push(match grain {
-                    Grain::Hour => "backfill of ad_clicks_hour",
-                    _ => "backfill of ad_clicks_day",
-                });
-            }
-        }
         Ok(applied)
-    }
-
-    /// Fills a roll-up from the minute rows written before it existed, once (recorded
-    /// in `clickagg_backfills`): per batch and hour (or day), the sum of the batch's
-    /// latest minute rows, with the latest of their versions — the row the flush itself
-    /// writes for that batch and hour, so rows the flush already wrote are replaced by
-    /// equal ones, and an interrupted backfill is simply run again. Returns whether it
-    /// wrote anything.
-    async fn backfill(&self, grain: Grain) -> Result<bool, SinkError> {
-        let (table, time) = table_of(grain);
-        let done = "SELECT count() FROM clickagg_backfills FINAL WHERE name = ?";
-        if self.timed(self.client.query(done).bind(table).fetch_one::<u64>()).await? > 0 {
-            return Ok(false);
-        }
-        let minute_rows = format!("SELECT count() FROM {TABLE}");
-        let wrote = self.timed(self.client.query(&minute_rows).fetch_one::<u64>()).await? > 0;
-        if wrote {
-            tracing::info!(table, "backfilling from the minute rows (minutes for a large table)");
-            let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
-            let fill = format!(
-                "INSERT INTO {table} (ad_id, {time}, topic, partition, batch_start, clicks, version) \
-                 SELECT ad_id, {start}(minute) AS {time}, topic, partition, batch_start, sum(clicks), max(version) \
-                 FROM {TABLE} FINAL GROUP BY ad_id, {time}, topic, partition, batch_start"
-            );
-            // Not bounded by clickhouse.timeout: it reads every minute row once.
-            self.client.query(&fill).execute().await.map_err(classify)?;
-        }
-        let record = "INSERT INTO clickagg_backfills (name) VALUES (?)";
-        self.timed(self.client.query(record).bind(table).execute()).await?;
-        Ok(wrote)
     }
 }
 
@@ -193,15 +163,17 @@ mod tests {
                 "`db`.ad_clicks_minute",
                 "`db`.clickagg_topics",
                 "`db`.clickagg_pins",
-                "`db`.ad_clicks_hour",
-                "`db`.ad_clicks_day",
-                "`db`.clickagg_backfills",
                 "`db`.clickagg_clocks",
-                "`db`.clickagg_settings"
+                "`db`.clickagg_settings",
+                "`db`.ad_clicks_sealed_hour",
+                "`db`.ad_clicks_sealed_day",
+                "`db`.clickagg_seals",
+                "`db`.clickagg_touched",
+                "`db`.clickagg_seal_progress"
             ]
         );
-        for grain in Grain::ALL {
-            assert!(SHARDING.iter().any(|(t, k)| *t == table_of(grain).0 && *k == "cityHash64(ad_id)"));
+        for table in [TABLE, SEALED_HOUR, SEALED_DAY] {
+            assert!(SHARDING.iter().any(|(t, k)| *t == table && *k == "cityHash64(ad_id)"), "{table}");
         }
     }
 

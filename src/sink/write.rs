@@ -1,48 +1,50 @@
-//! The writes of a flush: pins, clock checkpoints, then the rows of every grain (the
-//! roll-ups first, the minute rows last), each idempotent.
+//! The writes of a flush: pins, clock checkpoints, the minute rows, then the markers of
+//! the hours those rows touched, each idempotent.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use clickhouse::Row;
 use serde::{Deserialize, Serialize};
 
-use super::{stored_version, table_of, Sink, SinkError, Writer, TABLE};
-use crate::aggregate::{BatchRow, Grain, PinRow};
+use super::{stored_version, Sink, SinkError, Writer, TABLE, TOUCHED};
+use crate::aggregate::{BatchRow, PinRow};
 use crate::click::Minute;
 use crate::dedup::Checkpoint;
 
-/// A row of each table; the time column is named after its grain.
-macro_rules! row_out {
-    ($name:ident, $time:ident) => {
-        #[derive(Row, Serialize)]
-        struct $name<'a> {
-            ad_id: u64,
-            $time: u32,
-            topic: &'a str,
-            partition: u32,
-            batch_start: u64,
-            clicks: u64,
-            version: u64,
-        }
-
-        impl<'a> $name<'a> {
-            fn of(r: &BatchRow, topic: &'a str, writer: Writer) -> Self {
-                $name {
-                    ad_id: r.key.ad_id,
-                    $time: r.key.minute.epoch_seconds(),
-                    topic,
-                    partition: r.partition as u32,
-                    batch_start: r.batch_start as u64,
-                    clicks: r.clicks,
-                    version: stored_version(r.version, writer),
-                }
-            }
-        }
-    };
+#[derive(Row, Serialize)]
+struct MinuteOut<'a> {
+    ad_id: u64,
+    minute: u32,
+    topic: &'a str,
+    partition: u32,
+    batch_start: u64,
+    clicks: u64,
+    version: u64,
 }
-row_out!(MinuteOut, minute);
-row_out!(HourOut, hour);
-row_out!(DayOut, day);
+
+impl<'a> MinuteOut<'a> {
+    fn of(r: &BatchRow, topic: &'a str, writer: Writer) -> Self {
+        MinuteOut {
+            ad_id: r.key.ad_id,
+            minute: r.key.minute.epoch_seconds(),
+            topic,
+            partition: r.partition as u32,
+            batch_start: r.batch_start as u64,
+            clicks: r.clicks,
+            version: stored_version(r.version, writer),
+        }
+    }
+}
+
+/// A marker: the rows of a write touched this hour of this partition (`sql/008`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Row, Serialize)]
+pub(super) struct TouchedOut<'a> {
+    pub topic: &'a str,
+    pub hour: u32,
+    pub partition: u32,
+    /// The highest stored version among those rows (`clickagg status` reads it).
+    pub version: u64,
+}
 
 #[derive(Row, Serialize, Deserialize)]
 struct PinOut<'a> {
@@ -112,35 +114,53 @@ impl Sink {
         self.timed(write).await
     }
 
-    /// Writes one flush. Idempotent: the rows carry their batch ID and version.
-    /// Rows of every grain go to their table: the roll-ups first, the minute rows last,
-    /// so that once the minute rows are there, so is everything derived from them.
+    /// Writes the minute rows of one flush, then one marker per hour and partition they
+    /// touched (`clickagg_touched`). Idempotent: the rows carry their batch ID and
+    /// version, and a marker written again only says the hour was written again.
+    ///
+    /// The markers come after the rows, and the caller commits nothing before both are
+    /// durable: a sealer that finds a marker reads the rows it stands for, and a crash
+    /// between the two leaves the batch uncommitted, so it is read, flushed and marked
+    /// again (`seal`).
     pub async fn insert(&self, topic: &str, rows: &[BatchRow], writer: Writer) -> Result<(), SinkError> {
-        // One INSERT per table and per block of at most MAX_MONTHS_PER_INSERT months.
-        macro_rules! write {
-            ($out:ident, $table:expr, $block:expr) => {
-                self.timed(async {
-                    let mut insert = self.client.insert::<$out>($table).await?;
-                    for r in $block {
-                        insert.write(&$out::of(r, topic, writer)).await?;
-                    }
-                    insert.end().await
-                })
-                .await?
-            };
-        }
         tracing::debug!(rows = rows.len(), "flushing");
-        for grain in [Grain::Day, Grain::Hour, Grain::Minute] {
-            for block in insert_blocks(rows.iter().filter(|r| r.grain == grain)) {
-                match grain {
-                    Grain::Day => write!(DayOut, table_of(grain).0, block),
-                    Grain::Hour => write!(HourOut, table_of(grain).0, block),
-                    Grain::Minute => write!(MinuteOut, TABLE, block),
-                }
-            }
+        if rows.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        // One INSERT per block of at most MAX_MONTHS_PER_INSERT months.
+        for block in insert_blocks(rows) {
+            self.timed(async {
+                let mut insert = self.client.insert::<MinuteOut>(TABLE).await?;
+                for r in block {
+                    insert.write(&MinuteOut::of(r, topic, writer)).await?;
+                }
+                insert.end().await
+            })
+            .await?;
+        }
+        crate::sealing::stop_point("flush:after-minute-rows");
+        let markers = touched(topic, rows, writer);
+        self.timed(async {
+            let mut insert = self.client.insert::<TouchedOut>(TOUCHED).await?;
+            for m in &markers {
+                insert.write(m).await?;
+            }
+            insert.end().await
+        })
+        .await
     }
+}
+
+/// The markers of a write: per hour and partition its rows fall in, the highest stored
+/// version among them.
+pub(super) fn touched<'a>(topic: &'a str, rows: &[BatchRow], writer: Writer) -> Vec<TouchedOut<'a>> {
+    let mut top: BTreeMap<(u32, u32), u64> = BTreeMap::new();
+    for r in rows {
+        let m = r.key.minute.epoch_seconds();
+        let version = top.entry((m - m % 3_600, r.partition as u32)).or_default();
+        *version = (*version).max(stored_version(r.version, writer));
+    }
+    top.into_iter().map(|((hour, partition), version)| TouchedOut { topic, hour, partition, version }).collect()
 }
 
 /// The most `toYYYYMM(minute)` partitions of the table one INSERT may write: current
@@ -191,14 +211,7 @@ mod tests {
     use super::*;
     use crate::aggregate::BucketKey;
     fn row(ad_id: u64, minute: Minute) -> BatchRow {
-        BatchRow {
-            key: BucketKey { ad_id, minute },
-            grain: Grain::Minute,
-            partition: 0,
-            batch_start: 0,
-            clicks: 1,
-            version: 0,
-        }
+        BatchRow { key: BucketKey { ad_id, minute }, partition: 0, batch_start: 0, clicks: 1, version: 0 }
     }
 
     /// The first minute of the `n`th month after January 2000 (UTC).
@@ -232,6 +245,26 @@ mod tests {
         assert_eq!(blocks.len(), 1);
         assert!(blocks[0].iter().map(|r| r.key.ad_id).eq(0..500));
         assert!(insert_blocks(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn a_write_marks_each_hour_and_partition_it_touched_with_its_highest_version() {
+        let at = |ad, secs, partition, version| BatchRow {
+            key: BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds(secs) },
+            partition,
+            batch_start: 0,
+            clicks: 1,
+            version,
+        };
+        let rows = [at(1, 7_200 + 60, 0, 5), at(2, 7_200 + 3_540, 0, 9), at(1, 10_800, 0, 7), at(1, 7_200, 3, 2)];
+        let m = |hour, partition, version| TouchedOut { topic: "t", hour, partition, version };
+        assert_eq!(
+            touched("t", &rows, Writer::Member),
+            [m(7_200, 0, 19), m(7_200, 3, 5), m(10_800, 0, 15)],
+            "hours are UTC hours; versions are stored ones (2 x offset + rank)"
+        );
+        assert_eq!(touched("t", &rows[..1], Writer::Replay), [m(7_200, 0, 10)]);
+        assert!(touched("t", &[], Writer::Member).is_empty());
     }
 
     #[test]

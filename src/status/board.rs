@@ -85,7 +85,8 @@ impl Partition {
         }
     }
 
-    /// The batch the reader is filling: where the member commits once it is durable.
+    /// The start of the offset-aligned batch the reader is filling (its next record's):
+    /// a flush may already have written part of it, and a replay from here rebuilds it.
     fn open_batch_start(&self, n: Option<BatchOffsets>) -> i64 {
         match n {
             Some(n) => n.start_of(self.next()).max(self.start.count_from),

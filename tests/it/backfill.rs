@@ -89,8 +89,16 @@ async fn a_dropped_table_is_rebuilt_by_a_replay_with_and_without_the_dedup_keys(
     assert!(env.pin_count().await > 0, "the live run recorded no cross-partition decision");
 
     for flush_redis in [false, true] {
-        // Every count table, the roll-ups too (the pins and the batch size stay).
-        for table in ["ad_clicks_minute", "ad_clicks_hour", "ad_clicks_day"] {
+        // Every count table, and everything sealed from it (the pins and the batch size
+        // stay).
+        for table in [
+            "ad_clicks_minute",
+            "ad_clicks_sealed_hour",
+            "ad_clicks_sealed_day",
+            "clickagg_seals",
+            "clickagg_touched",
+            "clickagg_seal_progress",
+        ] {
             env.sink().execute(&format!("DROP TABLE {table}")).await.unwrap();
         }
         env.sink().migrate().await.unwrap();
@@ -172,14 +180,7 @@ async fn reconcile_and_verify_match_after_a_run_report_a_corrupted_row_and_tell_
 
     // Corrupt one bucket: a row for a batch that never existed, with a huge version.
     let (key, clicks) = truth.counts.iter().next().map(|(k, c)| (*k, *c)).unwrap();
-    let forged = BatchRow {
-        grain: clickagg::aggregate::Grain::Minute,
-        key,
-        partition: 0,
-        batch_start: 999_999_000,
-        clicks: 5,
-        version: i64::MAX - 1,
-    };
+    let forged = BatchRow { key, partition: 0, batch_start: 999_999_000, clicks: 5, version: i64::MAX - 1 };
     env.sink().insert(&env.topic, &[forged], Writer::Member).await.unwrap();
     let out = run_to_end(&env, "reconcile-bad", &["reconcile", "--from", &from, "--to", &to], &[], 4).await;
     assert!(out.contains("1 ad-minutes differ"), "{out}");

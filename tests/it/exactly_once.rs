@@ -160,3 +160,56 @@ async fn resetting_the_group_to_the_beginning_and_consuming_again_changes_no_cou
     assert_eq!(env.billing().await, before);
     env.assert_counts_converge(&truth.counts, Duration::from_secs(10)).await;
 }
+
+/// Issue 17: flushes are coalesced per member, so with `flush_interval` 1 s each table
+/// takes at most one insert per second, whatever the partitions and batches. Counted by
+/// ClickHouse itself: every insert into a MergeTree table takes the next block number,
+/// and merged parts keep the range, so the highest block number of a table is the
+/// number of inserts it took.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_one_second_flush_interval_gives_at_most_one_insert_per_table_per_second() {
+    let mut env = TestEnv::new("coalesce").await;
+    env.extra_env.push(("CLICKAGG__PIPELINE__FLUSH_INTERVAL".into(), "1s".into()));
+    // Small batches, so that a batch boundary is crossed many times a second on every
+    // partition: a flush per batch would show at once.
+    env.batch_offsets = 100;
+    let spec = Spec { count: 48_000, cross_partition_ratio: 0.3, seed: 71, ..Spec::default() };
+    let (records, truth) = env.plan(spec);
+    let producer = env.spawn_producer(&records, 8, 2_000);
+    let mut member = env.spawn_member("m");
+    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    wait_until("rows arrive", CONVERGE, || async {
+        let n = inserts(&env).await.values().sum::<u64>();
+        if n > 0 {
+            Ok(())
+        } else {
+            Err("no insert yet".to_string())
+        }
+    })
+    .await;
+
+    // A window of steady traffic: the inserts each table took in it.
+    let before = inserts(&env).await;
+    let began = std::time::Instant::now();
+    tokio::time::sleep(Duration::from_secs(12)).await;
+    let after = inserts(&env).await;
+    let secs = began.elapsed().as_secs_f64();
+    assert!(!producer.is_finished(), "the traffic must outlast the window: send more records");
+    let allowed = secs.ceil() as u64 + 1;
+    for (table, &n) in &after {
+        let n = n - before.get(table).copied().unwrap_or(0);
+        assert!(n <= allowed, "{table}: {n} inserts in {secs:.1} s (at most {allowed})");
+    }
+    assert!(after.len() >= 2, "the counts and the pins at least were written: {after:?}");
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
+/// Table → inserts it took so far (its highest block number), in the test's database.
+async fn inserts(env: &TestEnv) -> std::collections::BTreeMap<String, u64> {
+    let sink = env.sink();
+    let sql = "SELECT table, toUInt64(max(max_block_number)) FROM system.parts WHERE database = ? GROUP BY table";
+    let rows: Vec<(String, u64)> = sink.client().query(sql).bind(env.database.as_str()).fetch_all().await.unwrap();
+    rows.into_iter().collect()
+}

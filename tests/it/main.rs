@@ -14,4 +14,5 @@ mod helpers;
 mod operability;
 mod query;
 mod robustness;
+mod sealing;
 mod status;

@@ -554,3 +554,97 @@ async fn of_two_members_started_at_once_with_different_batch_sizes_only_one_runs
     assert_eq!(winner.terminate(Duration::from_secs(30)).await, 0, "{}", winner.output());
     assert!(!winner.output().contains("refusing to use"));
 }
+
+/// Issue 21: a rolling update, one member at a time (start the new member, wait until
+/// it is ready and a few seconds more, SIGTERM the old one), four members over four partitions
+/// replaced one at a time while traffic flows. The counts must be exact, and no
+/// partition may go without a commit for longer than the session timeout plus the
+/// drain timeout (6 s + 5 s here, as `TestEnv` sets them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_update_of_four_members_counts_exactly_and_no_partition_stalls_past_session_plus_drain() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+    const LIMIT: Duration = Duration::from_secs(6 + 5);
+    let env = TestEnv::new("rolling").await;
+    // About 70 s of traffic at 1 200 records/s: through all four replacements.
+    let (records, truth) = env.plan(Spec { count: 84_000, seed: 57, ..Spec::default() });
+    let producer = env.spawn_producer(&records, 4, 1_200);
+    let mut old: Vec<_> = (0..4).map(|i| env.spawn_member(&format!("old-{i}"))).collect();
+    for m in &old {
+        m.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
+    }
+    // Every partition committed once: the group is settled before the update starts.
+    wait_until("every partition has a commit", CONVERGE, || async {
+        let c = env.committed_offsets().await;
+        if c.len() == 4 && c.values().all(|&o| o > 0) {
+            Ok(())
+        } else {
+            Err(format!("{c:?}"))
+        }
+    })
+    .await;
+
+    let updating = AtomicBool::new(true);
+    let began = Instant::now();
+    // Samples the group's commits every 500 ms while the update runs: per partition, the
+    // times its committed offset moved.
+    let sample = async {
+        let mut moved: BTreeMap<i32, Vec<Duration>> = BTreeMap::new();
+        let mut last = BTreeMap::new();
+        while updating.load(Ordering::Relaxed) {
+            let at = began.elapsed();
+            for (p, o) in env.committed_offsets().await {
+                if last.insert(p, o) != Some(o) {
+                    moved.entry(p).or_default().push(at);
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        moved
+    };
+    let update = async {
+        let mut new = Vec::new();
+        for (i, m) in old.iter_mut().enumerate() {
+            let n = env.spawn_member(&format!("new-{i}"));
+            wait_until("the new member is ready", Duration::from_secs(60), || async {
+                match n.http_get("/readyz").await {
+                    (200, _) => Ok(()),
+                    (code, body) => Err(format!("{code} {body}")),
+                }
+            })
+            .await;
+            // The chart's minReadySeconds, scaled down: the new member joins the group
+            // (one rebalance) before the old one leaves it (another).
+            tokio::time::sleep(Duration::from_secs(4)).await;
+            assert_eq!(m.terminate(Duration::from_secs(30)).await, 0, "old-{i} drains and exits 0");
+            new.push(n);
+        }
+        // A few seconds of traffic after the last replacement: its partitions must move too.
+        tokio::time::sleep(Duration::from_secs(LIMIT.as_secs() + 2)).await;
+        let ended = began.elapsed();
+        updating.store(false, Ordering::Relaxed);
+        (new, ended)
+    };
+    let (moved, (mut new, ended)) = tokio::join!(sample, update);
+    assert!(!producer.is_finished(), "traffic must flow through the whole update: send more records");
+    producer.await.unwrap();
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+
+    // The longest time each partition went without a commit, from the update's start
+    // to its end (the last gap runs to the end).
+    let mut longest = BTreeMap::new();
+    for p in 0..4 {
+        let times = moved.get(&p).cloned().unwrap_or_default();
+        let mut gaps: Vec<Duration> = times.windows(2).map(|w| w[1] - w[0]).collect();
+        gaps.push(times.first().copied().unwrap_or(ended));
+        gaps.push(ended - times.last().copied().unwrap_or_default());
+        longest.insert(p, gaps.into_iter().max().unwrap());
+    }
+    eprintln!("rolling update over {ended:?}: longest stall per partition {longest:?}");
+    for (p, stall) in &longest {
+        assert!(*stall <= LIMIT, "partition {p} went {stall:?} without a commit (limit {LIMIT:?}): {longest:?}");
+    }
+    for n in &mut new {
+        assert_eq!(n.terminate(Duration::from_secs(30)).await, 0);
+    }
+}

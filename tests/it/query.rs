@@ -1,16 +1,17 @@
 //! `clickagg query`: what it prints, in every format, equals the ground truth bucketed
-//! here independently of the SQL; and a row replaced by a later version is never
-//! summed twice.
+//! here independently of the SQL — with nothing sealed, with the range crossing sealed
+//! and unsealed hours, with everything sealed, and with hours written after their seal;
+//! and a row replaced by a later version (a minute row or a seal) is never summed twice.
 
 use std::collections::BTreeMap;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use clickagg::aggregate::{BatchRow, BucketKey, Grain};
+use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
-use clickagg::sink::{table_of, Writer};
+use clickagg::sink::Writer;
 use clickhouse::Row;
 use serde::Deserialize;
 
@@ -184,7 +185,7 @@ fn ads_by_popularity(truth: &Truth) -> Vec<u64> {
     ads.into_iter().map(|(ad, _)| ad).collect()
 }
 
-/// A row of the table with every column, for writing stale copies of stored rows.
+/// A row of the minute table with every column, for writing stale copies of stored rows.
 #[derive(Debug, Row, Deserialize)]
 struct StoredRow {
     ad_id: u64,
@@ -193,6 +194,21 @@ struct StoredRow {
     batch_start: u64,
     clicks: u64,
     version: u64,
+}
+
+const SEALED: [(&str, &str); 2] = [("ad_clicks_sealed_hour", "hour"), ("ad_clicks_sealed_day", "day")];
+
+/// What `--print-sql` reads from the sealed tables for `case`: (sealed days, sealed
+/// hours) as the pairs it lists.
+fn sealed_parts(env: &TestEnv, case: &Case) -> (usize, usize) {
+    let sql = run_query(env, case, "table", &["--print-sql"]);
+    let pairs = |name: &str| {
+        let at = sql.find(&format!("FROM {name} FINAL")).unwrap_or_else(|| panic!("{name} in {sql}"));
+        let list = &sql[at..];
+        let list = &list[list.find("arrayJoin(CAST([").unwrap() + 16..];
+        list[..list.find(']').unwrap()].matches("toDateTime(").count()
+    };
+    (pairs("ad_clicks_sealed_day"), pairs("ad_clicks_sealed_hour"))
 }
 
 async fn raw_and_final_sums(env: &TestEnv) -> (u64, u64) {
@@ -221,7 +237,7 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
     let (records, truth) = clickagg::produce::plan(&spec);
     env.send(&records, 4, None).await;
     let mut member = env.spawn_member("m0");
-    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 
     let popular = ads_by_popularity(&truth);
@@ -295,89 +311,109 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
             top: None,
         },
     ];
+    // Nothing sealed: every bucket from the minute rows.
+    for case in &cases {
+        assert_case(&env, &truth.counts, case);
+    }
+    assert_eq!(sealed_parts(&env, &cases[3]), (0, 0));
+
+    // Sealed through 01:00: yesterday's day and today's first hour come from the sealed
+    // tables, the rest of the range from the minute rows.
+    let report = env.seal_through(midnight + HOUR).await;
+    assert_eq!((report.hours_sealed, report.days_sealed), (25, 1), "{report:?}");
+    assert_eq!(sealed_parts(&env, &cases[3]), (1, 1), "days: yesterday sealed, today's 00:00 hour sealed");
+    assert_eq!(sealed_parts(&env, &cases[1]), (0, 25), "hours: yesterday's 24 and today's first");
     for case in &cases {
         assert_case(&env, &truth.counts, case);
     }
 
-    // Rows of another topic count by default and are left out with --only-topic.
+    // Everything sealed.
+    env.assert_seals_agree().await;
+    assert_eq!(sealed_parts(&env, &cases[3]).0, 2, "days: yesterday's and the day before");
+    for case in &cases {
+        assert_case(&env, &truth.counts, case);
+    }
+
+    // Rows of another topic count by default and are left out with --only-topic; it has
+    // no seals, so its minute rows are read where the test's topic reads sealed ones.
     let other_minute = Minute::from_epoch_seconds(midnight + 10 * MINUTE);
     let other = BatchRow {
-        grain: Grain::Minute,
         key: BucketKey { ad_id: popular[0], minute: other_minute },
         partition: 0,
         batch_start: 0,
         clicks: 1_000,
         version: 5,
     };
-    env.sink().insert("another-topic", &every_grain(&other), Writer::Member).await.unwrap();
+    env.sink().insert("another-topic", &[other], Writer::Member).await.unwrap();
     let mut with_other = truth.counts.clone();
     *with_other.entry(BucketKey { ad_id: popular[0], minute: other_minute }).or_default() += 1_000;
     assert_case(&env, &with_other, &cases[3]);
     let only = parse_json(&run_query(&env, &cases[3], "json", &["--only-topic", &env.topic]));
     assert_rows(&only, &expected(&truth.counts, &cases[3]), "--only-topic leaves the other topic out");
 
-    // Stale copies of stored rows, in every table: a zombie's lower-version write with a
-    // *larger* count (so neither a double sum nor max(clicks) could hide) and an exact
-    // repeat. Merges are stopped so the copies stay in their own parts and only FINAL
-    // can drop them.
+    // Stale copies of stored rows, in the minute table and both sealed tables: a zombie's
+    // lower-version write with a *larger* count (so neither a double sum nor max(clicks)
+    // could hide) and an exact repeat. Merges are stopped so the copies stay in their
+    // own parts and only FINAL can drop them. The minute copies mark their hours
+    // written after their seal, so those hours are read from the minute rows again.
     let sink = env.sink();
-    for grain in Grain::ALL {
-        let (table, time) = table_of(grain);
+    for table in ["ad_clicks_minute", SEALED[0].0, SEALED[1].0] {
         sink.execute(&format!("SYSTEM STOP MERGES {table}")).await.unwrap();
-        let stored: Vec<StoredRow> = sink
-            .client()
-            .query(&format!(
-                "SELECT ad_id, toUInt32({time}) AS minute, partition, batch_start, clicks, version \
-                 FROM {table} FINAL WHERE topic = '{}' ORDER BY ad_id, minute LIMIT 50",
-                env.topic
-            ))
-            .fetch_all()
-            .await
-            .unwrap();
-        assert_eq!(stored.len(), 50, "{table}");
-        let stale: Vec<BatchRow> = stored
-            .iter()
-            .flat_map(|r| {
-                let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
-                let row = |clicks, version| BatchRow {
-                    grain,
-                    key,
-                    partition: r.partition as i32,
-                    batch_start: r.batch_start as i64,
-                    clicks,
-                    version,
-                };
-                // Stored versions are twice the offset plus the writer's rank (`sink::stored_version`).
-                let offset = (r.version / 2) as i64;
-                [row(r.clicks + 1_000, offset - 1), row(r.clicks, offset)]
-            })
-            .collect();
-        sink.insert(&env.topic, &stale, Writer::Member).await.unwrap();
+    }
+    let stored: Vec<StoredRow> = sink
+        .client()
+        .query(&format!(
+            "SELECT ad_id, toUInt32(minute) AS minute, partition, batch_start, clicks, version \
+             FROM ad_clicks_minute FINAL WHERE topic = '{}' ORDER BY ad_id, minute LIMIT 50",
+            env.topic
+        ))
+        .fetch_all()
+        .await
+        .unwrap();
+    assert_eq!(stored.len(), 50);
+    let stale: Vec<BatchRow> = stored
+        .iter()
+        .flat_map(|r| {
+            let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
+            let row = |clicks, version| BatchRow {
+                key,
+                partition: r.partition as i32,
+                batch_start: r.batch_start as i64,
+                clicks,
+                version,
+            };
+            // Stored versions are twice the offset plus the writer's rank (`sink::stored_version`).
+            let offset = (r.version / 2) as i64;
+            [row(r.clicks + 1_000, offset - 1), row(r.clicks, offset)]
+        })
+        .collect();
+    sink.insert(&env.topic, &stale, Writer::Member).await.unwrap();
+    for (table, time) in SEALED {
+        sink.execute(&format!(
+            "INSERT INTO {table} (topic, {time}, ad_id, clicks, version) \
+             SELECT topic, {time}, ad_id, toUInt64(clicks + 1000), toUInt64(version - 1) FROM {table} FINAL WHERE topic = '{0}' \
+             UNION ALL SELECT topic, {time}, ad_id, clicks, version FROM {table} FINAL WHERE topic = '{0}'",
+            env.topic
+        ))
+        .await
+        .unwrap();
     }
     let (raw, fin) = raw_and_final_sums(&env).await;
     assert!(raw > fin, "the stale rows are stored ({raw} without FINAL, {fin} with)");
     for case in &cases {
         assert_case(&env, &with_other, case);
     }
-    for grain in Grain::ALL {
-        sink.execute(&format!("SYSTEM START MERGES {}", table_of(grain).0)).await.unwrap();
+    // Sealed again, the hours the stale rows marked are read from the sealed tables.
+    env.assert_seals_agree().await;
+    for case in &cases {
+        assert_case(&env, &with_other, case);
+    }
+    for table in ["ad_clicks_minute", SEALED[0].0, SEALED[1].0] {
+        sink.execute(&format!("SYSTEM START MERGES {table}")).await.unwrap();
     }
 }
 
-/// A minute row with the hourly and daily rows it rolls up into (one minute: the same
-/// counts and versions).
-fn every_grain(row: &BatchRow) -> Vec<BatchRow> {
-    Grain::ALL
-        .iter()
-        .map(|&grain| BatchRow {
-            grain,
-            key: BucketKey { minute: grain.truncate(row.key.minute), ..row.key },
-            ..row.clone()
-        })
-        .collect()
-}
-
-/// Every ad on 2026-11-30, bucketed `by`: the day the roll-up tests write.
+/// Every ad on 2026-11-30, bucketed `by`: the day the version tests write.
 fn nov_30(by: By) -> QueryArgs {
     QueryArgs {
         from: query::parse_time("2026-11-30").unwrap(),
@@ -391,83 +427,120 @@ fn nov_30(by: By) -> QueryArgs {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_later_version_of_a_batch_row_replaces_it_and_never_adds_to_it() {
-    let env = TestEnv::new("queryversions").await;
-    let sink = env.sink();
-    for grain in Grain::ALL {
-        sink.execute(&format!("SYSTEM STOP MERGES {}", table_of(grain).0)).await.unwrap();
-    }
-    let minute = Minute::from_epoch_seconds(1_795_996_800 + 8 * HOUR); // 2026-11-30T08:00:00Z
-    let key = BucketKey { ad_id: 17, minute };
-    let row = |batch_start, clicks, version| BatchRow {
-        grain: Grain::Minute,
-        key,
-        partition: 0,
-        batch_start,
-        clicks,
-        version,
-    };
-    // Batch 0 flushed at offsets 5 and 9, then a zombie replays offset 7; batch 1000
-    // holds 2 more clicks of the same minute. One insert each: one part each (per table).
-    for r in [row(0, 3, 5), row(0, 5, 9), row(0, 4, 7), row(1_000, 2, 1_500)] {
-        sink.insert(&env.topic, &every_grain(&r), Writer::Member).await.unwrap();
-    }
-    assert_eq!(raw_and_final_sums(&env).await, (14, 7));
-
+/// The clicks of ad 17 on 2026-11-30 by minute, hour and day, and of the top ad.
+async fn ad_17_totals(sink: &clickagg::sink::Sink) -> Vec<u64> {
+    let mut out = Vec::new();
     for (by, bucket) in
         [(By::Minute, "2026-11-30T08:00:00Z"), (By::Hour, "2026-11-30T08:00:00Z"), (By::Day, "2026-11-30T00:00:00Z")]
     {
-        let rows = query::query(&sink, &nov_30(by)).await.unwrap();
+        let rows = query::query(sink, &nov_30(by)).await.unwrap();
         assert_eq!(rows.len(), 1, "{by:?}: {rows:?}");
-        assert_eq!((rows[0].ad_id, rows[0].bucket_rfc3339().as_str(), rows[0].clicks), (17, bucket, 7), "{by:?}");
+        assert_eq!((rows[0].ad_id, rows[0].bucket_rfc3339().as_str()), (17, bucket), "{by:?}");
+        out.push(rows[0].clicks);
     }
-    let top = query::query(&sink, &QueryArgs { top: Some(1), ..nov_30(By::Day) }).await.unwrap();
-    assert_eq!(top.iter().map(|r| r.clicks).sum::<u64>(), 7);
-    for grain in Grain::ALL {
-        sink.execute(&format!("SYSTEM START MERGES {}", table_of(grain).0)).await.unwrap();
+    let top = query::query(sink, &QueryArgs { top: Some(1), ..nov_30(By::Day) }).await.unwrap();
+    out.push(top.iter().map(|r| r.clicks).sum::<u64>());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_version_of_a_batch_row_or_a_seal_replaces_it_and_never_adds_to_it() {
+    let env = TestEnv::new("queryversions").await;
+    let sink = env.sink();
+    for table in ["ad_clicks_minute", SEALED[0].0, SEALED[1].0] {
+        sink.execute(&format!("SYSTEM STOP MERGES {table}")).await.unwrap();
+    }
+    let day = 1_795_996_800; // 2026-11-30T00:00:00Z
+    let minute = Minute::from_epoch_seconds(day + 8 * HOUR);
+    let key = BucketKey { ad_id: 17, minute };
+    let row = |batch_start, clicks, version| BatchRow { key, partition: 0, batch_start, clicks, version };
+    // Batch 0 flushed at offsets 5 and 9, then a zombie replays offset 7; batch 1000
+    // holds 2 more clicks of the same minute. One insert each: one part each.
+    for r in [row(0, 3, 5), row(0, 5, 9), row(0, 4, 7), row(1_000, 2, 1_500)] {
+        sink.insert(&env.topic, &[r], Writer::Member).await.unwrap();
+    }
+    assert_eq!(raw_and_final_sums(&env).await, (14, 7));
+    assert_eq!(ad_17_totals(&sink).await, [7, 7, 7, 7], "from the minute rows");
+
+    // Sealed: the same from the sealed hour and day.
+    let first = env.seal_through(day + DAY).await;
+    assert_eq!((first.hours_sealed, first.days_sealed), (24, 1), "{first:?}");
+    assert_eq!(ad_17_totals(&sink).await, [7, 7, 7, 7], "from the seals");
+
+    // A later cut of batch 1000 (3 clicks at offset 1600): the hour is read from the
+    // minute rows until it is sealed again, then from a seal with a higher version.
+    sink.insert(&env.topic, &[row(1_000, 3, 1_600)], Writer::Member).await.unwrap();
+    assert_eq!(ad_17_totals(&sink).await, [8, 8, 8, 8], "written after the seal");
+    let version = |table: &'static str| {
+        let client = sink.client().clone();
+        async move { client.query(&format!("SELECT max(version) FROM {table} FINAL")).fetch_one::<u64>().await.unwrap() }
+    };
+    let (hour_before, day_before) = (version(SEALED[0].0).await, version(SEALED[1].0).await);
+    let again = env.seal_through(day + DAY).await;
+    assert_eq!((again.hours_resealed, again.days_resealed, again.hours_sealed), (1, 1, 0), "{again:?}");
+    assert!(version(SEALED[0].0).await > hour_before && version(SEALED[1].0).await > day_before);
+    assert_eq!(ad_17_totals(&sink).await, [8, 8, 8, 8], "from the new seals");
+    // The seal computed before the late row, written again last (a slow sealer), loses.
+    sink.execute(&format!(
+        "INSERT INTO {} (topic, hour, ad_id, clicks, version) VALUES ('{}', toDateTime({}, 'UTC'), 17, 7, {hour_before})",
+        SEALED[0].0,
+        env.topic,
+        day + 8 * HOUR
+    ))
+    .await
+    .unwrap();
+    assert_eq!(ad_17_totals(&sink).await, [8, 8, 8, 8], "an older seal written last");
+    env.assert_seals_agree().await;
+    for table in ["ad_clicks_minute", SEALED[0].0, SEALED[1].0] {
+        sink.execute(&format!("SYSTEM START MERGES {table}")).await.unwrap();
     }
 }
 
-/// Minute rows written before the roll-ups existed (an upgrade) are summed into them by
-/// `clickagg migrate`, once; a backfill run again (as after an interruption) replaces
-/// its rows by equal ones and adds nothing; and the three grains then agree.
+/// Minute rows written before the sealer existed (an upgrade: no markers) are sealed by
+/// `clickagg seal` from the first day with rows; a second run finds nothing to do, and
+/// `--recompute-from` computes them again without changing them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn migrate_backfills_the_roll_ups_from_older_minute_rows_once_and_idempotently() {
-    let env = TestEnv::new("querybackfill").await;
+async fn clickagg_seal_seals_minute_rows_written_before_it_existed_once_and_idempotently() {
+    let env = TestEnv::new("queryupgrade").await;
     let sink = env.sink();
     let day = 1_795_996_800; // 2026-11-30T00:00:00Z
-    let row = |ad_id, minute: u32, batch_start, clicks, version| BatchRow {
-        grain: Grain::Minute,
-        key: BucketKey { ad_id, minute: Minute::from_epoch_seconds(day + minute) },
-        partition: 0,
-        batch_start,
-        clicks,
-        version,
-    };
-    // Only minute rows, as an older clickagg wrote them: two minutes of one hour in one
-    // batch (flushed twice, the second cut replacing the first), another hour, another
-    // batch, and a stale copy a zombie wrote with a lower version.
+                             // As an older clickagg wrote them: straight into the minute table, no markers. Two
+                             // minutes of one hour in one batch (flushed twice, the second cut replacing the
+                             // first), another hour, another batch, a stale copy a zombie wrote, and an ad on
+                             // the next day but one (the day between has no rows).
     let rows = [
-        row(7, 8 * HOUR, 0, 2, 10),
-        row(7, 8 * HOUR, 0, 3, 20),
-        row(7, 8 * HOUR + 5 * MINUTE, 0, 4, 20),
-        row(7, 9 * HOUR, 0, 1, 30),
-        row(7, 8 * HOUR + 30 * MINUTE, 1_000, 6, 1_200),
-        row(7, 8 * HOUR + 30 * MINUTE, 1_000, 5, 1_100),
-        row(8, 23 * HOUR, 1_000, 9, 1_300),
+        (7, 8 * HOUR, 0, 2, 10),
+        (7, 8 * HOUR, 0, 3, 20),
+        (7, 8 * HOUR + 5 * MINUTE, 0, 4, 20),
+        (7, 9 * HOUR, 0, 1, 30),
+        (7, 8 * HOUR + 30 * MINUTE, 1_000, 6, 2_400),
+        (7, 8 * HOUR + 30 * MINUTE, 1_000, 5, 2_200),
+        (8, 23 * HOUR, 1_000, 9, 2_600),
+        (8, 2 * DAY + 23 * HOUR, 2_000, 4, 4_001),
     ];
-    for r in &rows {
-        sink.insert(&env.topic, std::slice::from_ref(r), Writer::Member).await.unwrap();
+    for (ad, at, batch_start, clicks, version) in rows {
+        sink.execute(&format!(
+            "INSERT INTO ad_clicks_minute (ad_id, minute, topic, partition, batch_start, clicks, version) \
+             VALUES ({ad}, toDateTime({}, 'UTC'), '{}', 0, {batch_start}, {clicks}, {version})",
+            day + at,
+            env.topic
+        ))
+        .await
+        .unwrap();
     }
-    // As before the roll-ups: empty, and no backfill recorded.
-    for t in ["ad_clicks_hour", "ad_clicks_day", "clickagg_backfills"] {
-        sink.execute(&format!("TRUNCATE TABLE {t}")).await.unwrap();
-    }
-    let applied = sink.migrate().await.unwrap();
-    assert!(applied.contains(&"backfill of ad_clicks_hour") && applied.contains(&"backfill of ad_clicks_day"));
-    assert!(!sink.migrate().await.unwrap().iter().any(|a| a.starts_with("backfill")), "a backfill runs once");
-
+    let seal = |label: &str, extra: &[&str]| {
+        let mut args = vec!["seal", "--through", "2026-12-03"];
+        args.extend_from_slice(extra);
+        let mut p = env.spawn(label, &args, &[]);
+        async move {
+            assert_eq!(p.wait(Duration::from_secs(120)).await, 0, "{}", p.output());
+            p.lines().into_iter().find(|l| l.starts_with("sealed ")).unwrap_or_else(|| panic!("{}", p.output()))
+        }
+    };
+    let out = seal("seal-1", &[]).await;
+    // Nov 30 and Dec 2 whole; Dec 1 had no row and is skipped.
+    assert!(out.starts_with("sealed 48 hours and 2 days; re-sealed 0 hours and 0 days"), "{out}");
+    assert!(out.contains("sealed through 2026-12-03T00:00:00Z"), "{out}");
     let totals = |rows: Vec<query::BillingRow>| {
         let mut t: BTreeMap<u64, u64> = BTreeMap::new();
         for r in rows {
@@ -475,24 +548,24 @@ async fn migrate_backfills_the_roll_ups_from_older_minute_rows_once_and_idempote
         }
         t
     };
-    // ad 7: 3 + 4 + 1 (batch 0) + 6 (batch 1000); ad 8: 9.
-    let want: BTreeMap<u64, u64> = [(7, 14), (8, 9)].into();
+    let days = |by| QueryArgs { to: query::parse_time("2026-12-03").unwrap(), ..nov_30(by) };
+    // ad 7: 3 + 4 + 1 (batch 0) + 6 (batch 1000); ad 8: 9 and 4.
+    let want: BTreeMap<u64, u64> = [(7, 14), (8, 13)].into();
     for by in [By::Minute, By::Hour, By::Day] {
-        assert_eq!(totals(query::query(&sink, &nov_30(by)).await.unwrap()), want, "{by:?}");
+        assert_eq!(totals(query::query(&sink, &days(by)).await.unwrap()), want, "{by:?}");
     }
     let hours = query::query(&sink, &nov_30(By::Hour)).await.unwrap();
     let ad7: Vec<(String, u64)> =
         hours.iter().filter(|r| r.ad_id == 7).map(|r| (r.bucket_rfc3339(), r.clicks)).collect();
     assert_eq!(ad7, [("2026-11-30T08:00:00Z".to_string(), 13), ("2026-11-30T09:00:00Z".to_string(), 1)]);
 
-    // Interrupted before its record, with part of its rows written: the next migrate
-    // runs it again, completing it and adding nothing to what was there.
-    sink.execute("TRUNCATE TABLE clickagg_backfills").await.unwrap();
-    sink.execute("TRUNCATE TABLE ad_clicks_hour").await.unwrap();
-    let part = BatchRow { grain: Grain::Hour, ..row(8, 23 * HOUR, 1_000, 9, 1_300) };
-    sink.insert(&env.topic, &[part], Writer::Member).await.unwrap();
-    sink.migrate().await.unwrap();
+    let out = seal("seal-2", &[]).await;
+    assert!(out.starts_with("sealed 0 hours and 0 days; re-sealed 0 hours and 0 days (0 hours unchanged)"), "{out}");
+    let out = seal("seal-recompute", &["--recompute-from", "2026-11-30"]).await;
+    // Dec 1's hours are sealed (empty) now: a range asked for is computed whole.
+    assert!(out.starts_with("sealed 24 hours and 1 days; re-sealed 0 hours and 0 days (48 hours unchanged)"), "{out}");
     for by in [By::Minute, By::Hour, By::Day] {
-        assert_eq!(totals(query::query(&sink, &nov_30(by)).await.unwrap()), want, "{by:?} after a second backfill");
+        assert_eq!(totals(query::query(&sink, &days(by)).await.unwrap()), want, "{by:?} after recomputing");
     }
+    env.assert_seals_agree().await;
 }

@@ -260,7 +260,10 @@ impl Chaos {
                 let took = self.stack(&["restart", "kafka"]).await?;
                 self.outage("broker restart", took);
             }
-            Fault::Replay { from, to } => self.replay(*from, *to)?,
+            Fault::Replay { from, to } => {
+                self.replay(*from, *to)?;
+                self.seal()?;
+            }
         }
         Ok(())
     }
@@ -447,7 +450,18 @@ impl Chaos {
         Ok(())
     }
 
-    /// Waits for the replays started so far; a failed one is an incident.
+    /// Starts `clickagg seal --through` the end of the current hour: the hour the members
+    /// are still writing gets sealed, and their later writes must re-seal it.
+    fn seal(&mut self) -> Result<()> {
+        let now = (chrono::Utc::now() + chrono::Duration::hours(1)).format("%Y-%m-%dT%H:%M:%SZ").to_string();
+        let label = format!("seal-{}", self.replay_notes.len() + self.replays.len() + 1);
+        let p = self.launcher.spawn(&label, &["seal", "--through", &now], &[])?;
+        self.log.note(format!("started {label} --through {now} (pid {})", p.pid));
+        self.replays.push((label, format!("through {now}"), p));
+        Ok(())
+    }
+
+    /// Waits for the replays (and seals) started so far; a failed one is an incident.
     pub async fn finish_replays(&mut self) {
         for (label, range, p) in std::mem::take(&mut self.replays) {
             let log = p.log.clone();
@@ -455,7 +469,7 @@ impl Chaos {
             let summary = children::tail(&log, 40)
                 .lines()
                 .rev()
-                .find(|l| l.starts_with("replayed "))
+                .find(|l| l.starts_with("replayed ") || l.starts_with("sealed "))
                 .map(|l| l.split(';').next().unwrap_or(l).to_string())
                 .unwrap_or_default();
             self.log.note(format!("{label} exited {code:?}: {summary}"));

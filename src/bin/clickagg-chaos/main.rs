@@ -10,11 +10,13 @@
 //! one, freezes one past its session timeout and lets it come back as a zombie, kills
 //! Redis (restarted from its append-only file) and loses it (restarted without its
 //! data), takes ClickHouse away, restarts the broker and runs replays of overlapping
-//! ranges. Then it compares ClickHouse with the generator's truth, the hourly and daily
-//! roll-ups with the minute rows, and the dead-letter topic with the generator's
+//! ranges and `clickagg seal` through the current hour beside them (sealing the hour
+//! the members go on writing, which their sealers then re-seal). Then it compares ClickHouse with the
+//! generator's truth, the sealed hours and days (after a last sealing round) with the
+//! minute rows, and the dead-letter topic with the generator's
 //! invalid records, and reports the longest time a partition made no progress and the
 //! members' peak memory. Exit 0 only if every check passes: the counts became exact
-//! within the settle timeout and no click is lost or counted twice, the roll-ups agree,
+//! within the settle timeout and no click is lost or counted twice, the seals agree,
 //! every dead letter is there, no partition stalled longer than the longest outage plus
 //! 30 s, at least one planned mid-flush kill landed mid-flush, and no member, replay or
 //! leave failed. Exit 1 otherwise, naming each failed check; 2 when the run could not
@@ -211,6 +213,9 @@ impl Config {
             ("CLICKAGG__PIPELINE__BATCH_OFFSETS", s.pipeline.batch_offsets.to_string()),
             ("CLICKAGG__PIPELINE__DRAIN_TIMEOUT", humantime::format_duration(self.drain_timeout()).to_string()),
             ("CLICKAGG__LOG__FORMAT", "json".into()),
+            // Sealing rounds often, so that members re-seal what `seal --through` sealed
+            // while they go on writing it.
+            ("CLICKAGG__SEAL__INTERVAL", "5s".into()),
             // The sink's debug line "flushing" is what a mid-flush kill waits for; the
             // flusher's say what was committed, for the evidence.
             ("RUST_LOG", "info,librdkafka=warn,clickagg::sink=debug,clickagg::flusher=debug".into()),
@@ -432,9 +437,10 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     if !diff.is_exact() {
         log.note(format!("counts differ from the truth:\n{}", diff.report(40)));
     }
-    let rollups = report::rollup_disagreements(&sink, &s.kafka.topic).await.context("comparing the roll-ups")?;
-    for r in &rollups {
-        log.note(format!("roll-ups: {r}"));
+    let (seals, compared) = report::seal_disagreements(&sink, &s.kafka.topic, s.seal.slack).await?;
+    log.note(format!("seals: {compared}"));
+    for r in &seals {
+        log.note(format!("seals: {r}"));
     }
     let (k, dlq) = (s.kafka.clone(), s.dead_letter_topic());
     let dead_letters = tokio::task::spawn_blocking(move || DeadLetters::read(&k, &dlq)).await??;
@@ -451,7 +457,7 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
         diff,
         settled,
         settle_timeout: c.run.settle_timeout,
-        rollups,
+        seals,
         invalid_sent: truth.malformed.clone(),
         dead_letters,
         stall,

@@ -1,5 +1,5 @@
-//! The verdict: counts against the generator's truth (the `verify` diff), the roll-ups
-//! against the minute rows, dead letters against the generator's invalid records, the
+//! The verdict: counts against the generator's truth (the `verify` diff), the sealed
+//! hours and days against the minute rows, dead letters against the generator's invalid records, the
 //! longest stall, the kills that were to land mid-flush, peak memory; the table, which
 //! names every check and whether it passed, and the exit status.
 
@@ -110,52 +110,20 @@ impl DeadLetters {
     }
 }
 
-/// Where the hourly and daily roll-ups disagree with the minute rows summed per hour
-/// and day (read through `FINAL`): one line per table that does, with examples.
-pub async fn rollup_disagreements(sink: &Sink, topic: &str) -> Result<Vec<String>> {
-    use clickagg::aggregate::Grain;
-    let topic = clickagg::sink::quote_literal(topic);
-    let read = |sql: String| async move {
-        let rows: Vec<(u64, u32, u64)> = sink.client().query(&sql).fetch_all().await?;
-        anyhow::Ok(rows.into_iter().map(|(ad, t, c)| ((ad, t), c)).collect::<BTreeMap<_, _>>())
-    };
-    let mut out = Vec::new();
-    for grain in [Grain::Hour, Grain::Day] {
-        let (table, time) = clickagg::sink::table_of(grain);
-        let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
-        let minutes = read(format!(
-            "SELECT ad_id, toUInt32({start}(minute)) AS t, sum(clicks) FROM ad_clicks_minute FINAL \
-             WHERE topic = {topic} GROUP BY ad_id, t"
-        ))
-        .await?;
-        let rolled = read(format!(
-            "SELECT ad_id, toUInt32({time}) AS t, sum(clicks) FROM {table} FINAL WHERE topic = {topic} GROUP BY ad_id, t"
-        ))
-        .await?;
-        let differ: Vec<_> = minutes
-            .keys()
-            .chain(rolled.keys())
-            .collect::<BTreeSet<_>>()
-            .into_iter()
-            .filter(|k| minutes.get(k) != rolled.get(k))
-            .map(|k| (k, minutes.get(k).copied().unwrap_or(0), rolled.get(k).copied().unwrap_or(0)))
-            .collect();
-        if rolled.is_empty() {
-            out.push(format!("{table} has no rows"));
-        } else if !differ.is_empty() {
-            let examples: Vec<String> = differ
-                .iter()
-                .take(5)
-                .map(|((ad, t), m, r)| format!("ad {ad} at {t}: minutes {m}, {table} {r}"))
-                .collect();
-            out.push(format!(
-                "{} (ad, {time}) of {table} differ from the minute rows: {}",
-                differ.len(),
-                examples.join("; ")
-            ));
-        }
+/// Seals every hour of the run (a round through the current time, as `clickagg seal
+/// --through` runs it), then compares every sealed hour and day with the minute rows:
+/// what disagrees (empty: they agree), and how many hours and days were compared.
+pub async fn seal_disagreements(sink: &Sink, topic: &str, slack: Duration) -> Result<(Vec<String>, String)> {
+    use clickagg::seal::{check, Due, Sealer};
+    let now = u32::try_from(chrono::Utc::now().timestamp()).context("now is within 1970..2106")?;
+    let sealer = Sealer::new(sink.clone(), topic, Due::Through(now + 3_600), slack);
+    let report = sealer.round(None).await.context("the final sealing round")?;
+    let found = check::agreement(sink, topic).await.context("comparing the sealed hours")?;
+    let mut problems = found.problems;
+    if found.hours == 0 {
+        problems.push("nothing was sealed".to_string());
     }
-    Ok(out)
+    Ok((problems, format!("{} hours and {} days compared; last round: {}", found.hours, found.days, report.summary())))
 }
 
 /// A finding from the run outside the numbers: a member that exited on its own, a
@@ -174,8 +142,8 @@ pub struct Outcome {
     /// Whether the counts became exact within `settle_timeout` after the last fault.
     pub settled: bool,
     pub settle_timeout: Duration,
-    /// Where the roll-ups disagree with the minute rows (empty: they agree).
-    pub rollups: Vec<String>,
+    /// Where the sealed hours and days disagree with the minute rows (empty: they agree).
+    pub seals: Vec<String>,
     pub invalid_sent: BTreeMap<RejectReason, u64>,
     pub dead_letters: DeadLetters,
     pub stall: Stall,
@@ -259,7 +227,7 @@ impl Outcome {
         vec![
             ("counts exact (vs the generator's truth)", counts),
             ("counts settled within the timeout", settled),
-            ("roll-ups agree with the minute rows", self.rollups.clone()),
+            ("sealed hours and days agree with the minute rows", self.seals.clone()),
             ("dead letters (one per invalid record)", letters),
             ("progress (no stall past the limit)", progress),
             ("mid-flush kills landed mid-flush", mid_flush),
@@ -374,7 +342,7 @@ mod tests {
             diff: diff(&BTreeMap::from([(k, expected)]), &BTreeMap::from([(k, actual)])),
             settled: expected == actual,
             settle_timeout: Duration::from_secs(180),
-            rollups: Vec::new(),
+            seals: Vec::new(),
             invalid_sent: BTreeMap::from([(RejectReason::Oversized, 2)]),
             dead_letters: DeadLetters::default(),
             stall: Stall::default(),
@@ -437,8 +405,12 @@ mod tests {
             vec!["counts settled within the timeout: the counts were not exact within 180 s of the last fault"]
         );
         let mut o = passing();
-        o.rollups = vec!["2 (ad, hour) of ad_clicks_hour differ from the minute rows: …".into()];
-        assert!(o.failures()[0].starts_with("roll-ups agree with the minute rows: 2 (ad, hour)"), "{:?}", o.failures());
+        o.seals = vec!["2 (ad, hour) of ad_clicks_sealed_hour differ from the minute rows: …".into()];
+        assert!(
+            o.failures()[0].starts_with("sealed hours and days agree with the minute rows: 2 (ad, hour)"),
+            "{:?}",
+            o.failures()
+        );
         let mut o = passing();
         o.kills = Kills { flush_completed_first: 2, flushing_never_came: 1, ..Kills::default() };
         assert_eq!(

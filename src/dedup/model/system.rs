@@ -86,8 +86,9 @@ pub struct World {
     pub n: BatchOffsets,
     pub versions: Vec<Version>,
     pub redis: Redis,
-    /// `ad_clicks_{minute,hour,day}`: per grain, partition, batch and bucket, the kept row
-    /// (clicks, stored version) and the settings version its writer decided under.
+    /// `ad_clicks_minute`: per grain (only minutes: flushes write no others), partition,
+    /// batch and bucket, the kept row (clicks, stored version) and the settings version
+    /// its writer decided under.
     pub rows: Rows,
     pub pins: BTreeMap<(i32, i64), Pin>,
     pub clocks: BTreeMap<(i32, i64), PartitionClock>,
@@ -273,8 +274,9 @@ impl World {
         out
     }
 
-    /// The flusher's writes of one job, in its order: pins, clocks, then the day, hour
-    /// and minute rows; `stages` of them (5: all).
+    /// The flusher's writes of one job, in its order: pins, clocks, then the minute rows
+    /// (hours and days are sealed from them later, not written by a flush); `stages` of
+    /// them (3: all).
     fn write(&mut self, job: &Job, writer: Writer, settings: usize, stages: usize) {
         if stages >= 1 {
             for pin in &job.flush.pins {
@@ -286,19 +288,17 @@ impl World {
                 self.record_clock(*cp);
             }
         }
-        for (stage, grain) in [(3, Grain::Day), (4, Grain::Hour), (5, Grain::Minute)] {
-            if stages < stage {
-                return;
-            }
-            for r in job.flush.rows.iter().filter(|r| r.grain == grain) {
-                let version = stored_version(r.version, writer);
-                let slot = self
-                    .rows
-                    .entry((r.grain, r.partition, r.batch_start, r.key))
-                    .or_insert((r.clicks, version, settings));
-                if version >= slot.1 {
-                    *slot = (r.clicks, version, settings);
-                }
+        if stages < 3 {
+            return;
+        }
+        for r in &job.flush.rows {
+            let version = stored_version(r.version, writer);
+            let slot = self
+                .rows
+                .entry((Grain::Minute, r.partition, r.batch_start, r.key))
+                .or_insert((r.clicks, version, settings));
+            if version >= slot.1 {
+                *slot = (r.clicks, version, settings);
             }
         }
     }
@@ -1058,7 +1058,7 @@ impl Member {
             }
             return Fate::Dead;
         }
-        w.write(&job, Writer::Member, self.ns.tag, 5);
+        w.write(&job, Writer::Member, self.ns.tag, 3);
         w.orphan_pins(&job.flush.pins, &self.owned);
         if fence != self.fence {
             add(&coverage::FENCED, 1);
@@ -1209,7 +1209,7 @@ impl Replay {
         let open: Vec<i32> = pass.position.iter().filter(|(q, &at)| at < pass.ends[q]).map(|(&q, _)| q).collect();
         if open.is_empty() {
             let job = pass.st.cut();
-            w.write(&job, Writer::Replay, pass.version, 5);
+            w.write(&job, Writer::Replay, pass.version, 3);
             self.pass = None;
             return !self.passes.is_empty();
         }
@@ -1225,7 +1225,7 @@ impl Replay {
         // take, and a cut per step is the one that writes the most partial batches.
         {
             let job = pass.st.cut();
-            w.write(&job, Writer::Replay, pass.version, 5);
+            w.write(&job, Writer::Replay, pass.version, 3);
         }
         true
     }

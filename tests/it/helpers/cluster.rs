@@ -221,14 +221,33 @@ pub async fn stack(command: &str, node: &str) {
     );
 }
 
-/// Sends `signal` (SIGSTOP, SIGCONT) to a node of the cluster stack, by the PID
-/// `scripts/stack pid` reads from the node's PID file: a process the stack started.
-pub async fn signal(node: &str, signal: i32) {
+/// The PID of a node of the cluster stack, as `scripts/stack pid` reads it from the
+/// node's PID file: a process the stack started.
+async fn pid_of(node: &str) -> i32 {
     let mut cmd = Command::new(concat!(env!("CARGO_MANIFEST_DIR"), "/scripts/stack"));
     cmd.args(["pid", node]);
     let out = tokio::task::spawn_blocking(move || cmd.output().expect("run scripts/stack pid")).await.unwrap();
-    let pid: i32 = String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or_else(|_| panic!("no PID for {node}"));
-    assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "signal {signal} to {node} (pid {pid})");
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap_or_else(|_| panic!("no PID for {node}"))
+}
+
+/// A node frozen with SIGSTOP. Dropping it sends SIGCONT, so a test that fails while
+/// the node is frozen does not leave it frozen for the tests after it (they share the
+/// stack, and a frozen replica fails every `WAIT`).
+pub struct Frozen {
+    pid: i32,
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        unsafe { libc::kill(self.pid, libc::SIGCONT) };
+    }
+}
+
+/// SIGSTOPs a node of the cluster stack until the guard is dropped.
+pub async fn freeze(node: &str) -> Frozen {
+    let pid = pid_of(node).await;
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0, "SIGSTOP to {node} (pid {pid})");
+    Frozen { pid }
 }
 
 /// Serialises the tests that kill nodes: they share one cluster stack.

@@ -23,6 +23,11 @@ use super::wait::wait_until;
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_clickagg");
 
+/// `seal.slack` of every test: a single ClickHouse server, whose inserts are readable
+/// at once. A sealed hour is read from the sealed tables only once a seal was computed
+/// more than this after the hour's last write.
+pub const SEAL_SLACK: Duration = Duration::from_secs(1);
+
 /// Service endpoints: `scripts/stack env` defaults, overridable like the product's.
 pub fn brokers() -> String {
     std::env::var("CLICKAGG__KAFKA__BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
@@ -143,11 +148,13 @@ impl TestEnv {
         s.clickhouse.database = self.database.clone();
         s.clickhouse.cluster = self.clickhouse_cluster.clone();
         s.pipeline.batch_offsets = self.batch_offsets;
+        s.seal.slack = SEAL_SLACK;
         s
     }
 
     pub fn sink(&self) -> Sink {
-        Sink::new(&self.settings().clickhouse)
+        let s = self.settings();
+        Sink::new(&s.clickhouse).with_seal_slack(s.seal.slack)
     }
 
     /// The environment of a member process.
@@ -165,6 +172,7 @@ impl TestEnv {
             ("CLICKAGG__PIPELINE__FLUSH_INTERVAL", "200ms".into()),
             ("CLICKAGG__PIPELINE__DRAIN_TIMEOUT", "5s".into()),
             ("CLICKAGG__PIPELINE__MAX_BACKOFF", "1s".into()),
+            ("CLICKAGG__SEAL__SLACK", humantime::format_duration(SEAL_SLACK).to_string()),
             ("CLICKAGG__HTTP__ADDR", "127.0.0.1:0".into()),
             ("CLICKAGG__LOG__FORMAT", "json".into()),
             ("RUST_LOG", "clickagg=debug,librdkafka=warn,info".into()),
@@ -270,9 +278,9 @@ impl TestEnv {
         keys.len()
     }
 
-    /// Deletes every row of this test's topic from the count tables (minute, hour and
-    /// day), keeping the recorded cross-partition decisions (`clickagg_pins`) and the
-    /// batch size (`clickagg_topics`). A re-read into tables a member already filled
+    /// Deletes every row of this test's topic from the count tables (the minute rows
+    /// and everything sealed from them), keeping the recorded cross-partition decisions
+    /// (`clickagg_pins`) and the batch size (`clickagg_topics`). A re-read into tables a member already filled
     /// proves nothing: a member's row outranks a replay's at the same offset (version
     /// 2·offset + rank), so an under-count or an ignored pin stays hidden. Into emptied
     /// tables, what the re-read writes is all there is.
@@ -282,7 +290,9 @@ impl TestEnv {
 
     /// Deletes the rows of the batches that start in `[from, to)` of each partition
     /// named: the batches a re-read from `from` rewrites whole, so that only its rows
-    /// decide them while the rows before `from` stay as the live run wrote them.
+    /// decide them while the rows before `from` stay as the live run wrote them. The
+    /// topic's seals go too: they were computed from the deleted rows (deleting minute
+    /// rows is outside what a seal's version follows; README, "Sealed hours").
     pub async fn empty_count_batches(&self, batches: &BTreeMap<i32, (i64, i64)>) {
         assert!(!batches.is_empty(), "no batches to empty");
         let any: Vec<String> = batches
@@ -299,8 +309,16 @@ impl TestEnv {
         let sink = self.sink();
         let topic = clickagg::sink::quote_literal(&self.topic);
         let database = clickagg::sink::quote_literal(&self.database);
-        let tables = ["ad_clicks_minute", "ad_clicks_hour", "ad_clicks_day"];
-        for table in tables {
+        let sealed = [
+            "ad_clicks_sealed_hour",
+            "ad_clicks_sealed_day",
+            "clickagg_seals",
+            "clickagg_touched",
+            "clickagg_seal_progress",
+        ];
+        let tables: Vec<(&str, &str)> =
+            std::iter::once(("ad_clicks_minute", condition)).chain(sealed.iter().map(|&t| (t, "1"))).collect();
+        for &(table, condition) in &tables {
             sink.execute(&format!("ALTER TABLE {table} DELETE WHERE topic = {topic} AND ({condition})"))
                 .await
                 .unwrap_or_else(|e| panic!("deleting from {table}: {e}"));
@@ -313,7 +331,7 @@ impl TestEnv {
                 .await
                 .map_err(|e| e.to_string())?;
             let mut left = Vec::new();
-            for table in tables {
+            for &(table, condition) in &tables {
                 let n: u64 = sink
                     .client()
                     .query(&format!("SELECT count() FROM {table} WHERE topic = {topic} AND ({condition})"))
@@ -325,7 +343,7 @@ impl TestEnv {
             if pending == 0 && left.iter().all(|&n| n == 0) {
                 Ok(())
             } else {
-                Err(format!("{pending} mutations pending; rows left in minute, hour, day: {left:?}"))
+                Err(format!("{pending} mutations pending; rows left in {tables:?}: {left:?}"))
             }
         })
         .await;
@@ -344,7 +362,7 @@ impl TestEnv {
     }
 
     /// Replays from `from` to the end twice, and checks after each that the counts are
-    /// `expected` and the roll-ups agree: over the rows already there, then with the
+    /// `expected` and the seals agree: over the rows already there, then with the
     /// batches the replay rewrites deleted first, so that its own rows are all there is.
     pub async fn replay_checked(&self, label: &str, from: &str, expected: &BTreeMap<BucketKey, u64>) {
         self.replay_to_end(&format!("{label}-over-live-rows"), from).await;
@@ -378,8 +396,15 @@ impl TestEnv {
     }
 
     /// Waits until the billing counts equal `expected`, then checks they stay equal for
-    /// a while (a late over-count would show up there). Panics with a diff otherwise.
+    /// a while (a late over-count would show up there), and that sealing every hour
+    /// gives what the minute rows say. Panics with a diff otherwise.
     pub async fn assert_counts_converge(&self, expected: &BTreeMap<BucketKey, u64>, timeout: Duration) {
+        self.assert_counts_settle(expected, timeout).await;
+        self.assert_seals_agree().await;
+    }
+
+    /// [`assert_counts_converge`](Self::assert_counts_converge) without sealing.
+    pub async fn assert_counts_settle(&self, expected: &BTreeMap<BucketKey, u64>, timeout: Duration) {
         let what = format!("counts converge (logs: {})", self.log_dir.display());
         wait_until(&what, timeout, || async {
             let d = clickagg::verify::diff(expected, &self.billing().await);
@@ -393,55 +418,37 @@ impl TestEnv {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let d = clickagg::verify::diff(expected, &self.billing().await);
         assert!(d.is_exact(), "counts drifted after converging:\n{}", d.report(20));
-        self.assert_rollups_agree().await;
     }
 
-    /// The counts equal `expected` now, and the roll-ups agree with them; panics with a
+    /// The counts equal `expected` now, and the seals agree with them; panics with a
     /// diff naming `what` otherwise. For the state after a command that has ended (a
     /// replay), where nothing is left to converge.
     pub async fn assert_counts_exact(&self, expected: &BTreeMap<BucketKey, u64>, what: &str) {
         let d = clickagg::verify::diff(expected, &self.billing().await);
         assert!(d.is_exact(), "{what}:\n{}", d.report(20));
-        self.assert_rollups_agree().await;
+        self.assert_seals_agree().await;
     }
 
-    /// The hourly and daily roll-ups say what the minute rows say, summed per hour and
-    /// day: every test that converges (through kills, replays, rebalances, outages)
-    /// checks that the three tables agree.
-    pub async fn assert_rollups_agree(&self) {
-        use clickagg::aggregate::Grain;
-        let client = self.sink().client().clone();
-        let topic = clickagg::sink::quote_literal(&self.topic);
-        for grain in [Grain::Hour, Grain::Day] {
-            let (table, time) = clickagg::sink::table_of(grain);
-            let start = if grain == Grain::Hour { "toStartOfHour" } else { "toStartOfDay" };
-            let read = |sql: String| {
-                let client = client.clone();
-                async move {
-                    let rows: Vec<(u64, u32, u64)> = client.query(&sql).fetch_all().await.expect("roll-up query");
-                    rows.into_iter().map(|(ad, t, c)| ((ad, t), c)).collect::<BTreeMap<_, _>>()
-                }
-            };
-            let from_minutes = read(format!(
-                "SELECT ad_id, toUInt32({start}(minute)) AS t, sum(clicks) FROM ad_clicks_minute FINAL \
-                 WHERE topic = {topic} GROUP BY ad_id, t"
-            ))
-            .await;
-            let rolled_up = read(format!(
-                "SELECT ad_id, toUInt32({time}) AS t, sum(clicks) FROM {table} FINAL WHERE topic = {topic} GROUP BY ad_id, t"
-            ))
-            .await;
-            let differing: Vec<_> = from_minutes
-                .keys()
-                .chain(rolled_up.keys())
-                .filter(|k| from_minutes.get(k) != rolled_up.get(k))
-                .take(10)
-                .map(|k| (k, from_minutes.get(k), rolled_up.get(k)))
-                .collect();
-            assert!(
-                differing.is_empty() && !rolled_up.is_empty(),
-                "{table} disagrees with the minute rows ((ad, {time}), minutes, roll-up): {differing:?}"
-            );
-        }
+    /// One sealing round through `through` (Unix s), as `clickagg seal --through` runs
+    /// it, in this process; after waiting out the slack, so that what was written
+    /// before the call is in seals that reads use.
+    pub async fn seal_through(&self, through: u32) -> clickagg::seal::Report {
+        tokio::time::sleep(SEAL_SLACK * 2).await;
+        let s = self.settings();
+        let sealer =
+            clickagg::seal::Sealer::new(self.sink(), &self.topic, clickagg::seal::Due::Through(through), s.seal.slack);
+        sealer.round(None).await.expect("a sealing round")
+    }
+
+    /// Seals every hour up to the current one (a round through the end of this hour) and
+    /// checks that every sealed hour and day says what the minute rows say, summed per
+    /// hour and day: every test that converges (through kills, replays, rebalances,
+    /// outages) checks that sealing its rows is exact.
+    pub async fn assert_seals_agree(&self) {
+        let now = chrono::Utc::now().timestamp() as u32;
+        self.seal_through(now + 3_600).await;
+        let found = clickagg::seal::check::agreement(&self.sink(), &self.topic).await.expect("comparing seals");
+        assert!(found.problems.is_empty(), "sealed hours or days disagree with the minute rows: {:?}", found.problems);
+        assert!(found.hours > 0, "nothing was sealed");
     }
 }
