@@ -130,6 +130,17 @@ impl Flusher {
         self.shared.fence.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Waits until every job handed over so far is written (or abandoned); a fenced one
+    /// commits nothing. A member that starts over waits for it before it loads the
+    /// recorded pins again: a pin a fenced job writes later would contradict the decision
+    /// made again without it.
+    pub async fn settle(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Message::Barrier(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
     /// Nothing more is written or committed (the drain timed out, or a fatal error).
     pub fn abandon(&self) {
         self.shared.abandon.cancel();

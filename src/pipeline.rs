@@ -212,6 +212,8 @@ struct Item {
     generation: u64,
     /// Its record time.
     clock: Secs,
+    /// Its partition's clock just after it (below `clock` when it is judged ahead).
+    now: Secs,
     /// Its partition's clock just before it: where a reader rewound to it starts.
     clock_before: PartitionClock,
     /// Before the reader's first counted offset: it only rebuilds dedup state.
@@ -357,7 +359,8 @@ impl Stages {
             let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id);
             let warm = r.offset < reader.count_from;
             let generation = reader.generation;
-            items.push(Item { record: r, generation, clock, clock_before, warm, fingerprint, verdict: None });
+            let now = reader.clock.now();
+            items.push(Item { record: r, generation, clock, now, clock_before, warm, fingerprint, verdict: None });
         }
         self.health.status().read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
         self.record_lag(&items);
@@ -377,7 +380,7 @@ impl Stages {
                     self.private.forget(p);
                     info!(partition = p, offset = o, "deciding through the dedup cache again");
                 } else {
-                    i.verdict = Some(self.private.sight(p, fp.0, i.clock, if i.warm { None } else { pin }));
+                    i.verdict = Some(self.private.sight_at(p, fp.0, i.clock, i.now, if i.warm { None } else { pin }));
                     if resume.is_some_and(|r| r.fills_cache(o)) {
                         // The cache's last warm-up did not get this far: finish it.
                         let sighting = Sighting { partition: p, offset: o, clock: i.clock };
@@ -394,7 +397,17 @@ impl Stages {
             claimed.push(Some(idx));
             generations.push(i.generation);
         }
-        Prepared { items, claims: ClaimBatch { claims, generations }, claimed }
+        // The last record of each partition read through the cache, click or not.
+        let mut last: BTreeMap<i32, (Sighting, u64)> = BTreeMap::new();
+        for i in &items {
+            let p = i.record.partition;
+            if matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. })) {
+                let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
+                last.insert(p, (sighting, i.generation));
+            }
+        }
+        let marks = last.into_values().collect();
+        Prepared { items, claims: ClaimBatch { claims, generations, marks }, claimed }
     }
 
     /// Records how far each partition's first counted record lags the wall clock.

@@ -383,7 +383,7 @@ pub fn stopped_while(stopped: Stopped<PipelineError>, what: &str) -> PipelineErr
 /// For every partition, the recorded clocks a reader counting from its boundary needs
 /// ([`Marks`]): the nearest recorded clock at or below the boundary, and the latest
 /// recorded boundary before which every record lies more than `window` before that
-/// clock (the lookback). Where nothing is recorded, the log start with a fresh clock:
+/// clock (the lookback; the record just before it judged at a pending jump's time too). Where nothing is recorded, the log start with a fresh clock:
 /// the clock there is the definition's when the log starts at offset 0, and what
 /// retention left of it otherwise.
 pub async fn marks(

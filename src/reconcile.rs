@@ -116,7 +116,9 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     let mut reader = RangeReader::for_settings(s, "reconcile", &read)?;
     while let Some(batch) = reader.next_batch().await.context("reading the topic")? {
         for r in batch {
-            let clock = clocks.entry(r.partition).or_default().tick(r.timestamp_ms);
+            let partition_clock = clocks.entry(r.partition).or_default();
+            let clock = partition_clock.tick(r.timestamp_ms);
+            let now = partition_clock.now();
             let counting = r.offset >= scan.partitions[&r.partition].0;
             if counting {
                 scanned += 1;
@@ -125,7 +127,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
             }
             let Ok(click) = r.outcome else { continue };
             let pin = if counting { pins[&r.partition].get(&r.offset).copied() } else { None };
-            let verdict = scope.sight(r.partition, click.click_id.0, clock, pin);
+            let verdict = scope.sight_at(r.partition, click.click_id.0, clock, now, pin);
             if counting && verdict.counts() && click.minute >= from && click.minute < to {
                 *expected.entry(BucketKey { ad_id: click.ad_id, minute: click.minute }).or_default() += 1;
             }

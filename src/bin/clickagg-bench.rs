@@ -344,7 +344,7 @@ async fn claims_rate(
         while sent < total && sent - received < 2 {
             let claims = chunks.next().expect("counted");
             let generations = vec![0; claims.len()];
-            claimer.claim(clickagg::dedup::ClaimBatch { claims, generations });
+            claimer.claim(clickagg::dedup::ClaimBatch { claims, generations, marks: Vec::new() });
             sent += 1;
         }
         verdicts.recv().await.expect("claimer running")?;

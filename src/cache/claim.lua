@@ -132,8 +132,10 @@ end
 --   cross-partition duplicate at its first read, bit 1 = a warm-up sighting, decided
 --   within its partition); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
 --   ARGV[5] = the marks, packed back to back, each '>HI6I4': a partition of the poll
---   batch, its highest offset claimed in the batch (in any group) and that record's
---   time. The frontier of a marked partition moves to its mark; the claims of this call
+--   batch, its highest offset read in the batch (claimed in any group, or a record that
+--   is no click) and that record's
+--   time. The frontier of a marked partition moves to its mark (for one with a claim
+--   that waited in this call: to just before that claim); the claims of this call
 --   lie at or below it. ARGV[6] = what the caller saw acknowledged before, packed
 --   '>HI6': a partition and the frontier it reached; a frontier behind that (or
 --   missing) means the group lost writes (a failover to a replica that lacked them).
@@ -152,7 +154,7 @@ end
 --   U a re-read the cache cannot decide (the reader rebuilds its state from the log)
 --   W a fresh sighting while another partition is not ready (its state is being rebuilt):
 --     nothing of it, nor of the partition's later claims in this call, was applied, and
---     the partition's frontier stays before it; `unready` lists those partitions
+--     the partition's frontier stops just before it; `unready` lists those partitions
 -- or {'LOST', '', why:detail} when the caller's namespace is not this group's, or the
 -- group lost writes the caller relied on; nothing was changed then.
 local function claim(keys, args)
@@ -217,7 +219,7 @@ local function claim(keys, args)
     end
     return false
   end
-  local waiting = {}    -- partition -> true once one of its claims had to wait
+  local waiting = {}    -- partition -> the offset of its first claim that had to wait
   local out = {}
   for i = 0, #blob / CLAIM_SIZE - 1 do
     local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
@@ -265,7 +267,7 @@ local function claim(keys, args)
       end
     end
     if verdict == nil then
-      waiting[p] = true
+      if not waiting[p] then waiting[p] = o end
       out[i + 1] = 'W'
     else
       out[i + 1] = verdict
@@ -277,11 +279,22 @@ local function claim(keys, args)
       end
     end
   end
+  -- A partition whose claim waited here reaches its mark only up to just before that
+  -- claim: everything of it before is decided (in this group or in its own), so the end
+  -- of a warm-up in the same poll batch still makes it ready here.
   local marks = args[5] or ''
   for j = 1, #marks, CHAIN_SIZE do
     local p, o, clock = unpack_(CHAIN, marks, j)
-    if not waiting[p] and o > load(p) then
+    if waiting[p] and o >= waiting[p] then
+      o = waiting[p] - 1
+      clock = touched[p] or 0
+    end
+    if o > load(p) then
       frontier[p] = o
+      if waiting[p] and touched[p] == nil then
+        local v = call('HGET', fkey, p)
+        if v then local _; _, clock = unpack_(FRONTIER, v) end
+      end
       touched[p] = clock
     end
   end
@@ -327,7 +340,11 @@ end
 -- `boundary` after a warm-up from `lookback`: unless the frontier is already past the
 -- lookback, what lies before the lookback is unknown, so re-reads are exact only from
 -- the boundary on, and the partition is not ready until the warm-up reaches it. A
--- partition the namespace never saw gets its frontier here, so that others know it.
+-- frontier at or past the lookback but short of the boundary keeps what it claimed,
+-- but the partition is not ready either until the warm-up reaches the boundary (nobody
+-- decided what lies between: offsets moved forward, a zombie committed past it), and
+-- re-reads below the boundary are no longer exact. A partition the namespace never saw
+-- gets its frontier here, so that others know it.
 -- Returns 1 when it restarted the partition, 0 when the cache was past the lookback,
 -- or the LOST answer of `claim`.
 local function restart(keys, args)
@@ -336,8 +353,13 @@ local function restart(keys, args)
   local p, lookback, boundary = args[2], tonumber(args[3]), tonumber(args[4])
   local v = redis.call('HGET', keys[2], p)
   if v then
-    local next_ = struct.unpack(FRONTIER, v)
-    if next_ >= lookback then return 0 end
+    local next_, clock, ex = struct.unpack(FRONTIER, v)
+    if next_ >= lookback then
+      if next_ < boundary and ex < boundary then
+        redis.call('HSET', keys[2], p, struct.pack(FRONTIER, next_, clock, boundary))
+      end
+      return 0
+    end
   end
   redis.call('HSET', keys[2], p, struct.pack(FRONTIER, lookback, 0, boundary))
   return 1

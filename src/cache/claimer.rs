@@ -66,9 +66,16 @@ impl Claimer {
                     waiting.remove(&batch.claims[i].sighting.partition);
                 }
                 let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
+                // Marks of a reader generation that had to wait are stale like its claims.
+                let marks: Vec<crate::dedup::Sighting> = batch
+                    .marks
+                    .iter()
+                    .filter(|(s, g)| !waiting.get(&s.partition).is_some_and(|w| g <= w))
+                    .map(|&(s, _)| s)
+                    .collect();
                 let mut retry = Retry::new(max_backoff, &stop);
                 let answer = loop {
-                    match cache.claim(&claims).await {
+                    match cache.claim_marked(&claims, &marks).await {
                         Ok(v) => {
                             health.set_claims_failing(None);
                             let mut all = vec![Verdict::Wait; batch.claims.len()];

@@ -12,7 +12,7 @@ use redis::Value;
 use super::error::{DedupError, Lost};
 use super::shared::SharedCache;
 use super::target::{slot_of, Conn, Node};
-use crate::dedup::{Claim, Secs, Verdict};
+use crate::dedup::{Claim, Secs, Sighting, Verdict};
 use crate::position::CacheFrontier;
 
 /// Bytes of one packed claim (`claim.lua`, `CLAIM`).
@@ -95,6 +95,12 @@ impl SharedCache {
     /// one of its partition in that group: the reader reads them again later (claimed
     /// again, the ones decided now answer what they answered now).
     pub async fn claim(&mut self, claims: &[Claim]) -> Result<Vec<Verdict>, DedupError> {
+        self.claim_marked(claims, &[]).await
+    }
+
+    /// [`SharedCache::claim`] with the poll batch's last records read (`reached`, clicks or
+    /// not, per partition read through the cache): the marks reach them too.
+    pub async fn claim_marked(&mut self, claims: &[Claim], reached: &[Sighting]) -> Result<Vec<Verdict>, DedupError> {
         self.ensure_open().await?;
         // Per group: the claims' positions in `claims`, in order. Every group gets a call,
         // with the marks: the highest offset claimed per partition and its record time.
@@ -108,27 +114,34 @@ impl SharedCache {
                 *mark = (s.offset, s.clock);
             }
         }
+        for s in reached {
+            let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
+            if s.offset >= mark.0 {
+                *mark = (s.offset, s.clock);
+            }
+        }
         let mut mark_blob = Vec::with_capacity(marks.len() * 12);
         for (&p, &(o, clock)) in &marks {
             mark_blob.extend_from_slice(&(p as u16).to_be_bytes());
             mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             mark_blob.extend_from_slice(&clock.to_be_bytes());
         }
-        // What this handle saw acknowledged: of the batch's partitions, or of all it
-        // claimed for when this is an idle check.
+        // What this handle saw acknowledged in each group: of the batch's partitions, or
+        // of all it claimed for when this is an idle check.
         let ns = self.namespace();
         if self.acked.0 != ns {
             self.acked = (ns, BTreeMap::new());
         }
-        let mut expect = Vec::new();
-        for (&p, &o) in &self.acked.1 {
-            if claims.is_empty() || marks.contains_key(&p) {
-                expect.extend_from_slice(&(p as u16).to_be_bytes());
-                expect.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+        let mut expect = vec![Vec::new(); self.groups as usize];
+        for (&(g, p), &o) in &self.acked.1 {
+            if (marks.is_empty() || marks.contains_key(&p)) && g < self.groups {
+                expect[g as usize].extend_from_slice(&(p as u16).to_be_bytes());
+                expect[g as usize].extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             }
         }
-        let calls: Vec<redis::Cmd> =
-            (0..self.groups).map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect)).collect();
+        let calls: Vec<redis::Cmd> = (0..self.groups)
+            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect[g as usize]))
+            .collect();
         let replies = self.run_claims(calls).await?;
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
         let mut unready = std::collections::BTreeSet::new();
@@ -151,21 +164,36 @@ impl SharedCache {
             }
             unready.extend(detail.split(',').filter(|p| !p.is_empty()).map(str::to_string));
         }
-        // A partition with a sighting that waits did not reach its mark in the group that
-        // held it: what is acknowledged of it stays where it was.
-        let waiting: std::collections::BTreeSet<i32> = claims
-            .iter()
-            .zip(&verdicts)
-            .filter(|(_, v)| **v == Verdict::Wait)
-            .map(|(c, _)| c.sighting.partition)
-            .collect();
+        // Acknowledged per group: a partition reached its mark in every group but one that
+        // held a sighting of it that waits; there, its frontier reached just before the
+        // first claim that waited (`claim.lua`) — past warm-up claims its reader relies on,
+        // so a group that loses them must be noticed too.
+        let mut waiting: BTreeMap<(u32, i32), i64> = BTreeMap::new();
+        for (g, members) in by_group.iter().enumerate() {
+            for &i in members {
+                let s = claims[i].sighting;
+                if verdicts[i] == Verdict::Wait {
+                    let first = waiting.entry((g as u32, s.partition)).or_insert(s.offset);
+                    *first = (*first).min(s.offset);
+                }
+            }
+        }
         if !waiting.is_empty() {
             let unready: Vec<String> = unready.into_iter().collect();
-            tracing::debug!(?waiting, unready = %unready.join(","), "sightings wait for other partitions' state");
+            let partitions: std::collections::BTreeSet<i32> = waiting.keys().map(|&(_, p)| p).collect();
+            tracing::debug!(waiting = ?partitions, unready = %unready.join(","), "sightings wait for other partitions' state");
         }
-        for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !waiting.contains(p)) {
-            let seen = self.acked.1.entry(p).or_insert(o);
-            *seen = (*seen).max(o);
+        for g in 0..self.groups {
+            for (&p, &(o, _)) in &marks {
+                let reached = match waiting.get(&(g, p)) {
+                    None => Some(o),
+                    Some(&first) => Some(o.min(first - 1)).filter(|&r| r >= 0),
+                };
+                if let Some(o) = reached {
+                    let seen = self.acked.1.entry((g, p)).or_insert(o);
+                    *seen = (*seen).max(o);
+                }
+            }
         }
         Ok(verdicts)
     }
@@ -313,7 +341,7 @@ impl SharedCache {
     }
 
     /// Before a reader counts `partition` from `boundary` after a warm-up from
-    /// `lookback`: unless the cache is already past the lookback, its re-reads are
+    /// `lookback`: unless the cache already reached the boundary, its re-reads are
     /// decided only from `boundary` on (`claim.lua`, `restart`), in every key group, and
     /// the partition is not ready until the warm-up reaches the boundary. A partition
     /// the namespace never saw gets its frontier here, so that others wait for it.

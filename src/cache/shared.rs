@@ -54,9 +54,10 @@ pub struct SharedCache {
     /// The topic's partition count, shared by the member's handles: a fresh sighting is
     /// decided only while all of them are ready.
     pub(super) partitions: Arc<AtomicU32>,
-    /// Per partition, the frontier this handle's claims reached, acknowledged, in the
-    /// namespace named first: a group whose frontier is behind it lost writes.
-    pub(super) acked: (String, BTreeMap<i32, i64>),
+    /// Per key group and partition, the frontier this handle's claims reached there,
+    /// acknowledged, in the namespace named first: a group whose frontier is behind it
+    /// lost writes.
+    pub(super) acked: (String, BTreeMap<(u32, i32), i64>),
     pub(super) functions: Functions,
     pub(super) library: String,
 }

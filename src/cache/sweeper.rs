@@ -13,10 +13,17 @@ use crate::dedup::Secs;
 /// any lagging reader holds (`SharedCache::set_holds`). After each full walk the keys
 /// of a namespace a renewal replaced are gone too. Errors are logged and the walk goes
 /// on: a missed sweep only costs memory.
+///
+/// The first walk waits for `holds_given`: the member's loop cancels it once it gave the
+/// holds of its first assignment. A group back after an outage longer than `window +
+/// max_record_lag` left no hold behind (its readers did not lag when it went down), and
+/// a walk before its readers say what they need would delete the sightings before the
+/// outage that they still decide retries against.
 pub async fn sweep_forever(
     mut cache: SharedCache,
     window: Duration,
     max_record_lag: Duration,
+    holds_given: tokio_util::sync::CancellationToken,
     shutdown: tokio_util::sync::CancellationToken,
 ) {
     use rand::Rng;
@@ -25,6 +32,10 @@ pub async fn sweep_forever(
     let cycle = (max_record_lag / 4).max(Duration::from_secs(60));
     let per_tick = ((u64::from(shards) * TICK.as_millis() as u64).div_ceil(cycle.as_millis() as u64)).max(1) as u32;
     let mut cursor = rand::rng().random_range(0..shards);
+    tokio::select! {
+        _ = shutdown.cancelled() => return,
+        _ = holds_given.cancelled() => {}
+    }
     let mut ticker = tokio::time::interval(TICK);
     let mut failures = 0u64;
     loop {

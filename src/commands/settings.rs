@@ -5,8 +5,10 @@
 //! limits are part of the definition of what counts (README, "What counts"). A member
 //! that decided under other values than the ones that decided before it would count
 //! retries of earlier clicks again, so members refuse to start with values other than
-//! the recorded ones. `change` records the values it runs with as a new version that
-//! decides every partition from the group's committed offset on; the next member moves
+//! the recorded ones. `change` deletes the rows past the group's committed offsets
+//! (decided under the old values, and nothing committed lies there) and records the
+//! values it runs with as a new version that decides every partition from the group's
+//! committed offset on; the next member moves
 //! the dedup cache to a new namespace and warms it up from the log under the new values
 //! before it counts, and `replay` decides every range under the version recorded for it.
 
@@ -87,6 +89,10 @@ async fn change(s: &Settings, sink: &Sink) -> Result<ExitCode> {
         view.partitions.iter().map(|(&p, o)| (p, position::boundary(n, o.log_start, o.log_end, o.committed))).collect();
     let version = latest.version + 1;
     let id = topic_id.or_else(|| latest.topic_id.clone()).unwrap_or_default();
+    // Rows past the committed offsets were decided under the old settings, and the new
+    // ones replace a row only where they count something: gone first, so that a failure
+    // here leaves the old version in force and the change can simply be run again.
+    sink.delete_rows_from(&topic, &effective).await.context("deleting the rows past the committed offsets")?;
     sink.record_rules(&topic, version, &ours, &effective, &id).await?;
     println!("topic {topic}: settings version {version} recorded; it decides each partition from offset:");
     for (p, o) in &effective {

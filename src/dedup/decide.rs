@@ -203,16 +203,26 @@ impl PrivateScope {
         PrivateScope { window, partitions: HashMap::new() }
     }
 
-    /// Decides one sighting of `fingerprint` in `partition` at record time `clock`;
-    /// `pin` is the recorded cross-partition decision for it, if any. Warm-up reads use
-    /// the same call and ignore the verdict.
+    /// Decides one sighting of `fingerprint` in `partition` at record time `clock`, where
+    /// the record time is the partition's clock; `pin` is the recorded cross-partition
+    /// decision for it, if any. Warm-up reads use the same call and ignore the verdict.
     pub fn sight(&mut self, partition: i32, fingerprint: u128, clock: Secs, pin: Option<Pin>) -> Verdict {
+        self.sight_at(partition, fingerprint, clock, clock, pin)
+    }
+
+    /// [`PrivateScope::sight`] for a record whose time `clock` may lie ahead of its
+    /// partition's clock `now` (after the record: a record judged at its own timestamp,
+    /// stamped too far ahead to move the clock alone). Only `now` says which sightings
+    /// no later record can be within the window of: a record time judged ahead says
+    /// nothing of the records after it.
+    pub fn sight_at(&mut self, partition: i32, fingerprint: u128, clock: Secs, now: Secs, pin: Option<Pin>) -> Verdict {
         let window = self.window;
         let state = self.partitions.entry(partition).or_default();
-        if clock.saturating_sub(state.collected_at) > window {
-            // Sightings older than a window can never matter again: the clock only grows.
-            state.last_seen.retain(|_, seen| clock.saturating_sub(*seen) <= window);
-            state.collected_at = clock;
+        if now.saturating_sub(state.collected_at) > window {
+            // Sightings older than a window before the clock can never matter again: the
+            // clock only grows.
+            state.last_seen.retain(|_, seen| now.saturating_sub(*seen) <= window);
+            state.collected_at = now;
         }
         let previous = state.last_seen.insert(fingerprint, clock);
         if let Some(pin) = pin {
@@ -247,9 +257,9 @@ pub fn counted_offsets(log: &[(i64, Option<i64>, Option<u128>)], window: Secs) -
     let mut scope = PrivateScope::new(window);
     let mut out = Vec::new();
     for &(offset, ts, click) in log {
-        let now = clock.tick(ts);
+        let at = clock.tick(ts);
         if let Some(fp) = click {
-            if scope.sight(0, fp, now, None).counts() {
+            if scope.sight_at(0, fp, at, clock.now(), None).counts() {
                 out.push(offset);
             }
         }
@@ -271,6 +281,10 @@ pub struct Claim {
 pub struct ClaimBatch {
     pub claims: Vec<Claim>,
     pub generations: Vec<u64>,
+    /// Per partition read through the cache, the last record of the poll batch (a click
+    /// or not) and its reader's generation: the batch's mark reaches it, so that a
+    /// warm-up ending on records that are not clicks still reaches its boundary.
+    pub marks: Vec<(Sighting, u64)>,
 }
 
 #[cfg(test)]

