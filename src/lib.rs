@@ -24,6 +24,9 @@
 //! - [`member`], [`replay`], [`reconcile`], [`query`], [`server`], [`produce`],
 //!   [`verify`]: the processes and what they serve.
 //! - [`commands`]: the flags and one function per subcommand.
+//! - `model` (tests only): the property test of the whole arrangement. It drives the
+//!   pure pieces of every layer and mirrors the steps that do I/O, so it sits above them
+//!   all, beside `commands`, and nothing imports it.
 //!
 //! `ARCHITECTURE.md` draws the stages and says which steps are safe to replay.
 
@@ -37,6 +40,8 @@ pub mod dedup;
 pub mod flusher;
 pub mod health;
 pub mod member;
+#[cfg(test)]
+mod model;
 pub mod pipeline;
 pub mod planner;
 pub mod position;

@@ -67,23 +67,18 @@ impl Decoder {
 
     /// Makes sure the schema of every record among `payloads` is known, so that
     /// [`Record::decode`] can decide each of them: an Avro or Protobuf topic asks the
-    /// registry for the IDs it has not seen, waiting out an outage (reported to `health`
-    /// as not ready) — a record is never a dead letter because the registry is away.
+    /// registry for the IDs it has not seen, waiting out an outage (`answering` is told
+    /// whether the registry answers: a member turns not ready meanwhile) — a record is
+    /// never a dead letter because the registry is away.
     pub async fn resolve(
         &self,
         ids: Vec<u32>,
         max_backoff: Duration,
         shutdown: &tokio_util::sync::CancellationToken,
-        health: Option<&crate::health::Health>,
+        answering: impl Fn(bool),
     ) -> Result<(), crate::retry::Stopped<RegistryError>> {
         let Some(registry) = &self.schemas else { return Ok(()) };
-        registry
-            .resolve(ids, max_backoff, shutdown, |outage| {
-                if let Some(h) = health {
-                    h.set_schema_registry(outage.is_none());
-                }
-            })
-            .await
+        registry.resolve(ids, max_backoff, shutdown, |outage| answering(outage.is_none())).await
     }
 
     /// The schema IDs the records among `payloads` name (none for JSON), for
@@ -624,7 +619,7 @@ impl RangeReader {
                     }
                     let never = tokio_util::sync::CancellationToken::new();
                     let ids = decoder.schema_ids([msg.payload()]);
-                    decoder.resolve(ids, RESOLVE_BACKOFF, &never, None).await.map_err(|stopped| match stopped {
+                    decoder.resolve(ids, RESOLVE_BACKOFF, &never, |_| {}).await.map_err(|stopped| match stopped {
                         crate::retry::Stopped::Fatal(e) => ReadError::Schemas(e),
                         crate::retry::Stopped::ShutDown => unreachable!("never cancelled"),
                     })?;

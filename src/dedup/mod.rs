@@ -44,9 +44,6 @@ pub mod decide;
 pub mod fingerprint;
 pub mod rules;
 
-#[cfg(test)]
-mod model;
-
 pub use clock::{Checkpoint, PartitionClock, Secs, CLOCK_JUMP};
 pub use decide::{decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
 pub use fingerprint::{Fingerprint, Fingerprinter};

@@ -148,7 +148,7 @@ impl Loop<'_> {
                     // (a registry outage waits here, consumption paused with it).
                     let ids = decoder.schema_ids(chunk.iter().flatten().map(|m| m.payload()));
                     decoder
-                        .resolve(ids, s.pipeline.max_backoff, shutdown, Some(self.health))
+                        .resolve(ids, s.pipeline.max_backoff, shutdown, |ok| self.health.set_schema_registry(ok))
                         .await
                         .map_err(|stopped| stopped_while(stopped.map(|e| PipelineError::Fatal(e.to_string())), "fetching schemas"))?;
                     let mut records = Vec::with_capacity(chunk.len());
