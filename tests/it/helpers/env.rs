@@ -237,7 +237,10 @@ impl TestEnv {
     /// A connection to this test's Redis.
     pub async fn redis(&self) -> redis::aio::MultiplexedConnection {
         let client = redis::Client::open(self.redis_url.as_str()).expect("redis URL");
-        client.get_multiplexed_async_connection().await.expect("connect to Redis")
+        // The client's default 500 ms per reply is too short for a SCAN of a loaded Redis
+        // on a busy CI machine; a test that waits on Redis fails by its own deadline.
+        let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(30)));
+        client.get_multiplexed_async_connection_with_config(&config).await.expect("connect to Redis")
     }
 
     /// The names of every Redis key under this test's prefix (its dedup state).
