@@ -341,7 +341,9 @@ impl Run {
             }
             Op::Rebuild => {
                 // Whoever rebuilds the tables stops the replays still running: one that
-                // loaded its pins earlier would write last (the test
+                // read a copy ahead of the members, before they pinned it, would write
+                // its row last (README, "Known limits"). One the members overtook follows
+                // their pins (the test
                 // `a_replay_that_loaded_its_pins_before_a_copy_was_pinned_outlives_a_rebuilt_table`).
                 self.replays.clear();
                 w.rows.clear();
@@ -1038,14 +1040,16 @@ fn a_failover_that_loses_claims_of_a_partition_that_waited_goes_unnoticed() {
     assert_eq!(run.check_strictly(), Vec::<String>::new(), "click 9 at 3 is a retry");
 }
 
-// PRODUCT DEFECT (found by this model, edge case): a replay loads the recorded pins a
-// window of offsets at a time (`Stages::ensure_pins`), so a pin recorded after it loaded
-// that window is not applied, and it counts that copy. Its rows normally lose to the
+// Regression (a defect this model found, fixed): guards that a replay follows the pins
+// the members record while it runs. A replay loaded the recorded pins a window of
+// offsets at a time (`Planner::ensure_pins`), so a pin recorded after it loaded that
+// window was not applied, and it counted that copy. Its rows normally lose to the
 // members' (same version, lower rank) — but after the tables are dropped and rebuilt
-// (`migrate`, `replay --from earliest`) while such a replay still runs, its row, written
-// last at the version of the rebuilding replay's, is the one kept.
+// while such a replay still runs, its row, written last at the version of the
+// rebuilding replay's, is the one kept. Now a replay that reads past the group's
+// committed offset of its last load asks again, and loads the pins again once the
+// members have moved on (`GroupProgress`).
 #[test]
-#[ignore = "PRODUCT DEFECT: a replay applies only the pins recorded when it loaded them, and a rebuild does not stop older replays; see issue 16 note"]
 fn a_replay_that_loaded_its_pins_before_a_copy_was_pinned_outlives_a_rebuilt_table() {
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);
     let p1 = records(&[(0, Some(9)), (0, Some(1_000)), (1, Some(10))]);

@@ -561,6 +561,11 @@ impl Stages {
         needed
     }
 
+    /// The last offset of `partition` whose recorded pins are loaded (`None`: not read).
+    pub fn pins_until(&self, partition: i32) -> Option<i64> {
+        self.readers.get(&partition).map(|r| r.pins.until)
+    }
+
     /// Recorded pins of `partition` loaded for every offset up to `until`.
     pub fn add_pins(&mut self, partition: i32, pins: BTreeMap<i64, Pin>, until: i64) {
         if let Some(reader) = self.readers.get_mut(&partition) {

@@ -10,9 +10,10 @@
 //! read in order (`dedup::clock`).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
-use rdkafka::consumer::{Consumer, ConsumerContext};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::runtime::Handle;
@@ -80,6 +81,21 @@ pub struct Planner {
     rules: Option<RulesHistory>,
     /// Whether the topic's Kafka ID was checked against the recorded one.
     identity_checked: bool,
+    /// A replay's view of the members' progress (`None` for a member).
+    group: Option<GroupProgress>,
+}
+
+/// What a replay knows of the decisions the members have made. A flush writes its pins
+/// before it commits, so the recorded pins of the offsets below the group's committed
+/// offset are final; above it the members may still pin copies. A replay that loaded a
+/// window of pins ahead of the members and was then overtaken would apply only the pins
+/// recorded at its load and count a copy the members pinned since; so where it reads at
+/// or past the committed offset of its last load, it asks again and, if the members
+/// have moved on, loads the pins once more.
+struct GroupProgress {
+    consumer: Arc<BaseConsumer>,
+    /// Per partition: the group's committed offset when its pins were last loaded.
+    final_below: BTreeMap<i32, i64>,
 }
 
 impl Planner {
@@ -88,10 +104,14 @@ impl Planner {
         Planner::new(s, sink, Some(cache), Some(rules))
     }
 
-    /// A replay's: it never touches Redis, and decides each range under the settings
-    /// recorded for it.
-    pub fn for_replay(s: &Settings, sink: Sink) -> Planner {
-        Planner::new(s, sink, None, None)
+    /// A replay's: it never touches Redis, decides each range under the settings
+    /// recorded for it, and follows the pins the group (`kafka.group`) records while it
+    /// runs.
+    pub fn for_replay(s: &Settings, sink: Sink) -> Result<Planner, PipelineError> {
+        let consumer = source::group_lookup_consumer(&s.kafka, &s.kafka.group)?;
+        let mut planner = Planner::new(s, sink, None, None);
+        planner.group = Some(GroupProgress { consumer: Arc::new(consumer), final_below: BTreeMap::new() });
+        Ok(planner)
     }
 
     fn new(s: &Settings, sink: Sink, cache: Option<SharedCache>, rules: Option<RulesHistory>) -> Planner {
@@ -104,6 +124,7 @@ impl Planner {
             max_record_lag: s.dedup.max_record_lag,
             rules,
             identity_checked: false,
+            group: None,
         }
     }
 
@@ -269,8 +290,50 @@ impl Planner {
         shutdown: &CancellationToken,
         max_backoff: Duration,
     ) -> Result<(), PipelineError> {
-        for (p, (from, beyond)) in stages.pins_needed(records) {
-            let to = beyond.max(from + self.pins_window() - 1);
+        let mut loads: BTreeMap<i32, (i64, i64)> = stages
+            .pins_needed(records)
+            .into_iter()
+            .map(|(p, (from, beyond))| (p, (from, beyond.max(from + self.pins_window() - 1))))
+            .collect();
+        // A replay: the members' committed offsets now, for the partitions it loads pins
+        // of or reads past where they stood at its last load (then loaded again).
+        let mut committed = BTreeMap::new();
+        if let Some(group) = &self.group {
+            let mut reads: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
+            for r in records {
+                let at = reads.entry(r.partition).or_insert((r.offset, r.offset));
+                *at = (at.0.min(r.offset), at.1.max(r.offset));
+            }
+            let ask: Vec<i32> = reads
+                .iter()
+                .filter(|(p, (_, hi))| loads.contains_key(p) || group.final_below.get(p).is_some_and(|fb| hi >= fb))
+                .map(|(&p, _)| p)
+                .collect();
+            if !ask.is_empty() {
+                committed = until_done("asking for the group's committed offsets", max_backoff, shutdown, || {
+                    let (consumer, topic, ask) = (group.consumer.clone(), self.topic.clone(), ask.clone());
+                    async move {
+                        tokio::task::spawn_blocking(move || {
+                            source::group_committed(&consumer, &topic, &ask, Duration::from_secs(10))
+                        })
+                        .await
+                        .map_err(|e| PipelineError::Fatal(format!("the offset look-up panicked: {e}")))?
+                        .map_err(PipelineError::from)
+                    }
+                })
+                .await?
+                .into_iter()
+                .map(|(p, c)| (p, c.unwrap_or(0)))
+                .collect();
+            }
+            for (&p, &now) in &committed {
+                let (Some(until), Some(&fb)) = (stages.pins_until(p), group.final_below.get(&p)) else { continue };
+                if now > fb && !loads.contains_key(&p) {
+                    loads.insert(p, (reads[&p].0, until));
+                }
+            }
+        }
+        for (p, (from, to)) in loads {
             let mut retry = Retry::new(max_backoff, shutdown);
             let loaded = loop {
                 match load_pins(&self.sink, self.cache.as_mut(), &self.topic, p, from, to).await {
@@ -282,6 +345,9 @@ impl Planner {
                 }
             };
             stages.add_pins(p, loaded, to);
+            if let (Some(group), Some(&now)) = (self.group.as_mut(), committed.get(&p)) {
+                group.final_below.insert(p, now);
+            }
         }
         Ok(())
     }

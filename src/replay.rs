@@ -341,7 +341,7 @@ async fn run_plan(
     });
     // No shared cache: every reader of a replay is private, and nothing of it touches Redis.
     let mut stages = Stages::new(StagesConfig::from_settings(s), health);
-    let mut planner = Planner::for_replay(s, sink.clone());
+    let mut planner = Planner::for_replay(s, sink.clone())?;
     stages.assign(with_pins);
 
     let mut reader = RangeReader::for_settings(s, "replay", &read)?;

@@ -419,6 +419,8 @@ struct Stages {
     private: PrivateScope,
     carried: Flush,
     clocks: Vec<Checkpoint>,
+    /// A replay's `GroupProgress::final_below`.
+    final_below: BTreeMap<i32, i64>,
 }
 
 fn bucket(c: &oracle::ClickOf) -> BucketKey {
@@ -435,6 +437,7 @@ impl Stages {
             private: PrivateScope::new(window),
             carried: Flush::default(),
             clocks: Vec::new(),
+            final_below: BTreeMap::new(),
         }
     }
 
@@ -460,12 +463,40 @@ impl Stages {
                 }
             }
         }
+        let mut loads: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
         for (p, beyond) in needed {
+            let from = self.readers[&p].pins_until + 1;
+            loads.insert(p, (from, beyond.max(from + PINS_WINDOW - 1)));
+        }
+        // `Planner::ensure_pins` of a replay: asks for the group's committed offsets
+        // where it loads pins or reads past where they stood at its last load.
+        let mut committed = BTreeMap::new();
+        if cache.is_none() {
+            let mut reads: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
+            for &(p, o) in records {
+                if self.readers.contains_key(&p) {
+                    let at = reads.entry(p).or_insert((o, o));
+                    *at = (at.0.min(o), at.1.max(o));
+                }
+            }
+            for (&p, &(lo, hi)) in &reads {
+                let fb = self.final_below.get(&p).copied();
+                if loads.contains_key(&p) || fb.is_some_and(|fb| hi >= fb) {
+                    let now = w.committed[p as usize].unwrap_or(0);
+                    committed.insert(p, now);
+                    if fb.is_some_and(|fb| now > fb) && !loads.contains_key(&p) {
+                        loads.insert(p, (lo, self.readers[&p].pins_until));
+                    }
+                }
+            }
+        }
+        for (p, (from, to)) in loads {
             let r = self.readers.get_mut(&p).expect("checked");
-            let from = r.pins_until + 1;
-            let to = beyond.max(from + PINS_WINDOW - 1);
             r.pins.extend(w.load_pins(p, from, to, cache));
             r.pins_until = to;
+            if let Some(&now) = committed.get(&p) {
+                self.final_below.insert(p, now);
+            }
         }
     }
 

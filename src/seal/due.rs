@@ -5,9 +5,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::Consumer;
 use rdkafka::error::KafkaError;
-use rdkafka::{Offset, TopicPartitionList};
 
 use super::plan::PartitionPosition;
 use crate::config::KafkaSettings;
@@ -23,20 +22,9 @@ pub type GroupOffsets = BTreeMap<i32, (Option<i64>, i64, i64)>;
 /// Per partition of `topic`: `group`'s committed offset and the log's start and end.
 /// Blocking. Asks for the committed offsets without joining the group.
 pub fn group_offsets(k: &KafkaSettings, group: &str, topic: &str) -> Result<GroupOffsets, KafkaError> {
-    let mut config = source::client_config(k);
-    config.set("group.id", group).set("enable.auto.commit", "false");
-    let consumer: BaseConsumer = config.create()?;
+    let consumer = source::group_lookup_consumer(k, group)?;
     let partitions = source::partitions(&consumer, topic, TIMEOUT)?;
-    let mut tpl = TopicPartitionList::new();
-    for &p in &partitions {
-        tpl.add_partition(topic, p);
-    }
-    let committed: BTreeMap<i32, Option<i64>> = consumer
-        .committed_offsets(tpl, TIMEOUT)?
-        .elements()
-        .iter()
-        .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
-        .collect();
+    let committed = source::group_committed(&consumer, topic, &partitions, TIMEOUT)?;
     let mut out = BTreeMap::new();
     for p in partitions {
         let (low, high) = consumer.fetch_watermarks(topic, p, TIMEOUT)?;

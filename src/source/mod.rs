@@ -348,6 +348,35 @@ pub async fn topic_configs(k: &KafkaSettings, topic: &str) -> Result<BTreeMap<St
     Ok(resource.map(|r| r.entries.into_iter().filter_map(|e| Some((e.name, e.value?))).collect()).unwrap_or_default())
 }
 
+/// A consumer that asks for `group`'s committed offsets without joining the group (an
+/// offset fetch needs no membership), for readers beside the members: the sealer, the
+/// status command, a replay following what the group has decided.
+pub fn group_lookup_consumer(k: &KafkaSettings, group: &str) -> Result<BaseConsumer, KafkaError> {
+    let mut config = client_config(k);
+    config.set("group.id", group).set("enable.auto.commit", "false");
+    config.create()
+}
+
+/// `group`'s committed offset of each of `partitions` of `topic` (`None`: nothing
+/// committed). Blocking.
+pub fn group_committed(
+    consumer: &BaseConsumer,
+    topic: &str,
+    partitions: &[i32],
+    timeout: Duration,
+) -> Result<BTreeMap<i32, Option<i64>>, KafkaError> {
+    let mut tpl = TopicPartitionList::new();
+    for &p in partitions {
+        tpl.add_partition(topic, p);
+    }
+    Ok(consumer
+        .committed_offsets(tpl, timeout)?
+        .elements()
+        .iter()
+        .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
+        .collect())
+}
+
 /// A throwaway consumer for metadata and watermark look-ups.
 pub fn lookup_consumer(k: &KafkaSettings) -> Result<BaseConsumer, KafkaError> {
     let mut c = client_config(k);
