@@ -214,7 +214,10 @@ impl Aggregator {
         }
         let batch = state.open.get_or_insert_with(|| Batch::new(start, offset));
         batch.last_offset = offset;
-        let touched = counted.or(pin.map(|(_, key)| key));
+        // Only a cross-partition duplicate takes back what a replay may have counted; a
+        // duplicate in a chain that did not count is a duplicate on every reading.
+        let contested = matches!(pin, Some((Pin::CrossDuplicate, _)));
+        let touched = counted.or(pin.filter(|_| contested).map(|(_, key)| key));
         if let Some(key) = touched {
             let bucket = batch.buckets.entry(key).or_insert_with(|| {
                 self.buckets_held += 1;
@@ -222,7 +225,7 @@ impl Aggregator {
             });
             bucket.clicks += u64::from(counted.is_some());
             bucket.dirty = true;
-            bucket.contested |= matches!(pin, Some((Pin::CrossDuplicate, _)));
+            bucket.contested |= contested;
         }
         if let Some((pin, _)) = pin {
             batch.pins.push((offset, pin));
@@ -433,6 +436,50 @@ mod tests {
         let row = |k| f.rows.iter().find(|r| r.key == k).map(|r| r.clicks);
         assert_eq!((row(key(1, 0)), row(key(2, 0))), (Some(1), Some(0)));
         assert!(agg.take_flush().pins.is_empty(), "a pin is written once");
+    }
+
+    #[test]
+    fn a_contested_bucket_is_written_again_at_every_later_version_of_its_batch_but_an_uncounted_pin_is_not_contested() {
+        // A replay that read the batch before the member may have counted the copy: the
+        // member's rows of that bucket must reach the batch's last version to outrank it.
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 0, None, Some((Pin::CrossDuplicate, key(2, 0))));
+        agg.observe(0, 1, None, Some((Pin::Uncounted, key(3, 0))));
+        let first = agg.take_flush();
+        let keys: Vec<BucketKey> = first.rows.iter().map(|r| r.key).collect();
+        assert_eq!(keys, vec![key(2, 0)], "only the cross-partition duplicate's bucket is written");
+        assert_eq!(first.pins.len(), 2, "both pins are");
+        agg.observe(0, 2, Some(key(1, 0)), None);
+        let later = agg.take_flush();
+        let versions: BTreeMap<BucketKey, i64> = later.rows.iter().map(|r| (r.key, r.version)).collect();
+        assert_eq!(versions, BTreeMap::from([(key(1, 0), 2), (key(2, 0), 2)]), "the contested bucket again, at 2");
+    }
+
+    #[test]
+    fn the_open_batch_start_and_the_last_offsets_follow_the_reads() {
+        let mut agg = Aggregator::new(n(10));
+        assert_eq!(agg.open_batch_start(0), None, "nothing read");
+        assert!(agg.last_offsets().is_empty());
+        agg.observe(0, 3, Some(key(1, 0)), None);
+        agg.observe(1, 25, None, None);
+        assert_eq!((agg.open_batch_start(0), agg.open_batch_start(1)), (Some(0), Some(20)));
+        // The batch's last offset completes it: the next one starts at the boundary.
+        agg.observe(0, 9, None, None);
+        assert_eq!(agg.open_batch_start(0), Some(10));
+        assert_eq!(agg.last_offsets(), BTreeMap::from([(0, 9), (1, 25)]));
+        // A gap past the boundary (transaction markers) opens the batch it lands in.
+        agg.observe(0, 31, None, None);
+        assert_eq!(agg.open_batch_start(0), Some(30));
+        assert_eq!(agg.open_batch_start(2), None, "a partition never read");
+    }
+
+    #[test]
+    fn a_flush_is_empty_only_without_rows_pins_and_commits() {
+        assert!(Flush::default().is_empty());
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 0, None, None);
+        let commit_only = agg.take_flush();
+        assert!(commit_only.rows.is_empty() && !commit_only.is_empty(), "a commit is work: {commit_only:?}");
     }
 
     #[test]

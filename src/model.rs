@@ -811,15 +811,18 @@ fn a_lookback_that_starts_just_after_a_record_judged_ahead_misses_it() {
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// PRODUCT DEFECT (found by this model): a warm-up claim starts a chain marked "counted"
-// unless a pin says otherwise (`ClaimMode::warm`: "decided within its partition at its
-// first read"), but a warm-up that starts in the middle of a chain — the lookback is only
-// one window before the boundary — takes a retry for the chain's start. When the real
-// start was a copy of a click counted on another partition (pinned, before the
-// lookback), the rebuilt cache holds a chain that "counted" and never did, and a copy
-// still to be decided on a lagging partition is judged a duplicate of it: no copy counts.
+// Regression (a defect this model found, fixed): guards that a warm-up starting inside
+// a chain of copies rebuilds it as the chain that did not count. A warm-up claim starts
+// a chain marked "counted" unless a pin says otherwise (`ClaimMode::warm`: "decided
+// within its partition at its first read"), but a warm-up that starts in the middle of a
+// chain — the lookback is only one window before the boundary — took a retry for the
+// chain's start. When the real start was a copy of a click counted on another partition
+// (pinned, before the lookback), the rebuilt cache held a chain that "counted" and never
+// did, and a copy still to be decided on a lagging partition was judged a duplicate of
+// it: no copy counted. Now a later sighting of a chain that did not count is pinned too
+// (`Verdict::UncountedDuplicate`), and the warm-up starts the chain from it as one that
+// did not count.
 #[test]
-#[ignore = "PRODUCT DEFECT: a warm-up starting inside a chain takes a retry for a counted start; see issue 16 note"]
 fn a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click() {
     // Click 1000 on partition 1 at 2 and on partition 0 at 0, retried there at 4; then
     // partition 0 moves on. Batches of 1.

@@ -477,7 +477,7 @@ impl Stages {
                 (Ok(click), Some(v)) => {
                     match v {
                         Verdict::Own => stats.redelivered += 1,
-                        Verdict::Duplicate => stats.duplicates += 1,
+                        Verdict::Duplicate | Verdict::UncountedDuplicate => stats.duplicates += 1,
                         Verdict::CrossDuplicate => {
                             stats.duplicates += 1;
                             stats.cross_partition += 1;

@@ -83,7 +83,7 @@ end
 -- the claim waits ('W') and changes nothing.
 --
 -- Returns the verdict byte, or nil when it must wait.
-local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, window, xkey, blocked)
+local function decide(key, field, v, p, o, clock, reread, exact, pinned, uncounted, warm, window, xkey, blocked)
   local chains = chains_of(v)
   local mine = nil
   for j, c in ipairs(chains) do
@@ -92,9 +92,9 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
   if reread then
     local c = mine and chains[mine]
     if o < exact or not c then return 'U'
-    elseif pinned then return 'X'
+    elseif pinned then return uncounted and 'd' or 'X'
     elseif o == c.first and c.counted then return 'O'
-    elseif o > c.first then return 'D'
+    elseif o > c.first then return c.counted and 'D' or 'd'
     elseif cached_pin(xkey, o) then return 'X'
     else return 'U' end
   end
@@ -104,7 +104,8 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
       c.seen = clock
       redis.call('HSET', key, field, pack(chains))
     end
-    if pinned then return 'X' else return 'D' end
+    if pinned then return uncounted and 'd' or 'X' end
+    return c.counted and 'D' or 'd'
   end
   local cross = pinned
   if not pinned and not warm then
@@ -119,7 +120,8 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, warm, w
   if mine then chains[mine] = c else chains[#chains + 1] = c end
   redis.call('HSET', key, field, pack(chains))
   if not cross then return 'F' end
-  if not pinned then redis.call('ZADD', xkey, o, o * 4 + 1) end
+  if pinned then return uncounted and 'd' or 'X' end
+  redis.call('ZADD', xkey, o, o * 4 + 1)
   return 'X'
 end
 
@@ -128,9 +130,9 @@ end
 -- = shard hashes.
 -- ARGV[1] = the namespace the caller uses; ARGV[2] = the window (s); ARGV[3] = claims
 --   packed back to back, each: key index into KEYS (u32, 1-based), field (11 bytes),
---   partition (u16), offset (u48), record time (u32, s), mode (u8: bit 0 = pinned as a
---   cross-partition duplicate at its first read, bit 1 = a warm-up sighting, decided
---   within its partition); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
+--   partition (u16), offset (u48), record time (u32, s), mode (u8: bit 0 = pinned at its
+--   first read, bit 1 = a warm-up sighting, decided within its partition, bit 2 = the pin
+--   is 'd', not 'X'); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
 --   ARGV[5] = the marks, packed back to back, each '>HI6I4': a partition of the poll
 --   batch, its highest offset read in the batch (claimed in any group, or a record that
 --   is no click) and that record's
@@ -150,6 +152,8 @@ end
 -- Returns {'OK', verdicts, unready} with one verdict byte per claim:
 --   F first in its partition within the window (counts)    O the counted record, re-read
 --   D an earlier sighting in its partition within the window
+--   d the same, in a chain whose start did not count (an X): pinned like an X, so that a
+--     warm-up starting after the chain's start rebuilds it as one that did not count
 --   X a copy of a click counted on another partition within the window (does not count)
 --   U a re-read the cache cannot decide (the reader rebuilds its state from the log)
 --   W a fresh sighting while another partition is not ready (its state is being rebuilt):
@@ -224,7 +228,8 @@ local function claim(keys, args)
   for i = 0, #blob / CLAIM_SIZE - 1 do
     local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
     local pinned = mode % 2 == 1
-    local warm = mode >= 2
+    local warm = mode % 4 >= 2
+    local uncounted = mode >= 4
     local f = frontier[p]
     if f == nil then f = load(p) end
     local key = keys[ki]
@@ -245,17 +250,19 @@ local function claim(keys, args)
         -- The other common case: the click sighted in this partition only.
         if reread then
           if o < exact[p] then verdict = 'U'
-          elseif pinned then verdict = 'X'
+          elseif pinned then verdict = uncounted and 'd' or 'X'
           elseif o == first and pc >= COUNTED then verdict = 'O'
-          elseif o > first then verdict = 'D'
+          elseif o > first then verdict = pc >= COUNTED and 'D' or 'd'
           elseif cached_pin(xkeys[p], o) then verdict = 'X'
           else verdict = 'U' end
         elseif clock - seen <= window then
           if clock > seen then call('HSET', key, field, pack_(CHAIN, pc, first, clock)) end
-          if pinned then verdict = 'X' else verdict = 'D' end
+          if pinned then verdict = uncounted and 'd' or 'X'
+          elseif pc >= COUNTED then verdict = 'D'
+          else verdict = 'd' end
         elseif pinned then
           call('HSET', key, field, pack_(CHAIN, p, o, clock))
-          verdict = 'X'
+          verdict = uncounted and 'd' or 'X'
         elseif not warm and blocked_for(p) then
           verdict = nil
         else
@@ -263,7 +270,7 @@ local function claim(keys, args)
           verdict = 'F'
         end
       else
-        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, warm, window, xkeys[p], blocked_for)
+        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, uncounted, warm, window, xkeys[p], blocked_for)
       end
     end
     if verdict == nil then

@@ -12,7 +12,7 @@ use redis::Value;
 use super::error::{DedupError, Lost};
 use super::shared::SharedCache;
 use super::target::{slot_of, Conn, Node};
-use crate::dedup::{Claim, Secs, Sighting, Verdict};
+use crate::dedup::{Claim, Pin, Secs, Sighting, Verdict};
 use crate::position::CacheFrontier;
 
 /// Bytes of one packed claim (`claim.lua`, `CLAIM`).
@@ -55,7 +55,11 @@ impl SharedCache {
             blob.extend_from_slice(&(s.partition as u16).to_be_bytes());
             blob.extend_from_slice(&(s.offset as u64).to_be_bytes()[2..]);
             blob.extend_from_slice(&s.clock.to_be_bytes());
-            blob.push(u8::from(c.mode.pin.is_some()) | u8::from(c.mode.warm) << 1);
+            blob.push(
+                u8::from(c.mode.pin.is_some())
+                    | u8::from(c.mode.warm) << 1
+                    | u8::from(c.mode.pin == Some(Pin::Uncounted)) << 2,
+            );
         }
         // The namespace and the key prefix once per call, and one buffer for every shard
         // key: this runs for every click.

@@ -24,6 +24,12 @@ pub enum Verdict {
     Own,
     /// An earlier sighting in this partition lies within the window: does not count.
     Duplicate,
+    /// A `Duplicate` in a chain whose start did not count (it was a copy of a click
+    /// counted on another partition). Pinned like a cross-partition decision: a warm-up
+    /// that starts after the chain's start, at this sighting, must rebuild the chain as
+    /// one that did not count, or a copy still to be decided on another partition would
+    /// be judged a duplicate of a click that never counted.
+    UncountedDuplicate,
     /// First in its partition, but a copy on another partition counted within the window
     /// of it: does not count. Which copy wins depends on the order the partitions were
     /// read in, so the decision is pinned in ClickHouse and every re-read applies it.
@@ -43,7 +49,11 @@ impl Verdict {
 
     /// The pin a live member records for this verdict, if any.
     pub fn pin(self) -> Option<Pin> {
-        (self == Verdict::CrossDuplicate).then_some(Pin::CrossDuplicate)
+        match self {
+            Verdict::CrossDuplicate => Some(Pin::CrossDuplicate),
+            Verdict::UncountedDuplicate => Some(Pin::Uncounted),
+            _ => None,
+        }
     }
 
     /// The byte `claim.lua` answers with.
@@ -52,6 +62,7 @@ impl Verdict {
             b'F' => Verdict::First,
             b'O' => Verdict::Own,
             b'D' => Verdict::Duplicate,
+            b'd' => Verdict::UncountedDuplicate,
             b'X' => Verdict::CrossDuplicate,
             b'U' => Verdict::Undecidable,
             b'W' => Verdict::Wait,
@@ -65,15 +76,24 @@ impl Verdict {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Pin {
     CrossDuplicate = 1,
+    /// A later sighting of a chain that did not count ([`Verdict::UncountedDuplicate`]).
+    Uncounted = 2,
 }
 
 impl Pin {
     pub fn from_code(code: u8) -> Option<Pin> {
-        (code == 1).then_some(Pin::CrossDuplicate)
+        match code {
+            1 => Some(Pin::CrossDuplicate),
+            2 => Some(Pin::Uncounted),
+            _ => None,
+        }
     }
 
     pub fn verdict(self) -> Verdict {
-        Verdict::CrossDuplicate
+        match self {
+            Pin::CrossDuplicate => Verdict::CrossDuplicate,
+            Pin::Uncounted => Verdict::UncountedDuplicate,
+        }
     }
 }
 
@@ -88,6 +108,17 @@ pub struct Chain {
     pub first: i64,
     pub counted: bool,
     pub last_seen: Secs,
+}
+
+impl Chain {
+    /// The verdict of a later sighting of this chain.
+    fn duplicate(&self) -> Verdict {
+        if self.counted {
+            Verdict::Duplicate
+        } else {
+            Verdict::UncountedDuplicate
+        }
+    }
 }
 
 /// One sighting of a click ID: where it is and its record time.
@@ -146,7 +177,7 @@ pub fn decide_shared(
             Some(pin) => pin.verdict(),
             None if s.offset == chain.first && chain.counted => Verdict::Own,
             // A later sighting of the chain: it did not count.
-            None if s.offset > chain.first => Verdict::Duplicate,
+            None if s.offset > chain.first => chain.duplicate(),
             // Claimed again before its pin was durable (a retry, a crash between the
             // calls of one batch): the cache kept the decision.
             None if cached_pin => Verdict::CrossDuplicate,
@@ -159,7 +190,7 @@ pub fn decide_shared(
         let chain = &mut entry[i];
         if s.clock.saturating_sub(chain.last_seen) <= window {
             chain.last_seen = chain.last_seen.max(s.clock);
-            return mode.pin.map_or(Verdict::Duplicate, Pin::verdict);
+            return mode.pin.map_or(chain.duplicate(), Pin::verdict);
         }
     }
     let cross = match mode.pin {
@@ -175,10 +206,11 @@ pub fn decide_shared(
         Some(i) => entry[i] = chain,
         None => entry.push(chain),
     }
-    if cross {
-        Verdict::CrossDuplicate
-    } else {
-        Verdict::First
+    match mode.pin {
+        // A warm-up (or a re-read) starting inside a chain that did not count.
+        Some(pin) => pin.verdict(),
+        None if cross => Verdict::CrossDuplicate,
+        None => Verdict::First,
     }
 }
 
@@ -368,11 +400,26 @@ mod tests {
         let mut e = vec![chain(1, 4, true, 1_000)];
         assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, live(), false, true, W), Verdict::CrossDuplicate);
         assert_eq!(e[1], chain(0, 7, false, 1_040), "its own partition's chain starts, uncounted");
+        // A retry of it: a duplicate in a chain that did not count, pinned as such.
         assert_eq!(
             decide_shared(&mut e, at(0, 8, 1_090), upto(7), live(), false, true, W),
-            Verdict::Duplicate,
+            Verdict::UncountedDuplicate,
             "within its chain"
         );
+        assert_eq!(Verdict::UncountedDuplicate.pin(), Some(Pin::Uncounted));
+        assert!(!Verdict::UncountedDuplicate.counts());
+        // Re-read, it answers the same, pin or no pin.
+        assert_eq!(
+            decide_shared(&mut e, at(0, 8, 1_090), upto(8), live(), false, true, W),
+            Verdict::UncountedDuplicate
+        );
+        // A warm-up that starts at that retry (the copy before its lookback) rebuilds the
+        // chain as one that did not count: a copy on partition 1 then counts.
+        let mut rebuilt = Vec::new();
+        let warm = ClaimMode { pin: Some(Pin::Uncounted), warm: true };
+        assert_eq!(decide_shared(&mut rebuilt, at(0, 8, 1_090), None, warm, false, true, W), Verdict::UncountedDuplicate);
+        assert_eq!(rebuilt, vec![chain(0, 8, false, 1_090)]);
+        assert_eq!(decide_shared(&mut rebuilt, at(1, 4, 1_091), None, live(), false, true, W), Verdict::First);
         let mut far = vec![chain(1, 4, true, 1_000)];
         assert_eq!(decide_shared(&mut far, at(0, 7, 1_061), None, live(), false, true, W), Verdict::First);
         let mut uncounted = vec![chain(1, 4, false, 1_000)];

@@ -144,10 +144,11 @@ impl World {
 
     /// A warm-up of `p` in namespace `ns` whose readiness covers the offsets from
     /// `covered` on: a cross-partition click with a copy on `p` before that was never
-    /// claimed in `ns` (so the cache lacks it while the partition is ready, or the warm-up
-    /// starts its chain at a retry), and another copy still to be decided, meets the
-    /// defects `a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets` and
-    /// `a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click`.
+    /// claimed in `ns` (so the cache lacks it while the partition is ready), and another
+    /// copy still to be decided, meets the defect
+    /// `a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets`. (A warm-up that
+    /// starts a chain at a retry, `a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click`,
+    /// is fixed, but the same clicks are held loosely for the defect that remains.)
     pub fn warms_up(&mut self, ns: Ns, p: i32, covered: i64) {
         let claimed = self.redis.claimed.get(&ns);
         for c in &self.log.cross {

@@ -57,7 +57,9 @@ impl Model {
                     true,
                     WINDOW,
                 );
-                if c.mode.pin.is_none() && v.pin().is_some() && !reread {
+                // Only a fresh cross-partition decision is kept in the sorted set until
+                // its pin is durable; an uncounted duplicate is told by its chain.
+                if c.mode.pin.is_none() && v == Verdict::CrossDuplicate && !reread {
                     group.pins.insert((s.partition, s.offset));
                 }
                 if !reread {
@@ -126,8 +128,8 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
             let o = next.entry(p).or_insert(0);
             let now = clock.entry(p).or_insert(1_000);
             *now += rng.random_range(0..4);
-            let mode =
-                ClaimMode { pin: rng.random_bool(0.05).then_some(Pin::CrossDuplicate), warm: rng.random_bool(0.1) };
+            let pin = rng.random_bool(0.05).then(|| if rng.random_bool(0.5) { Pin::CrossDuplicate } else { Pin::Uncounted });
+            let mode = ClaimMode { pin, warm: rng.random_bool(0.1) };
             let sighting = Sighting { partition: p, offset: *o, clock: *now };
             claims.push(Claim { fingerprint: ids[rng.random_range(0..ids.len())], sighting, mode });
             *o += 1;
