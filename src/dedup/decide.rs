@@ -393,6 +393,47 @@ mod tests {
         // Below where a rebuilt cache is exact from: it may lack sightings before.
         let rebuilt = Some(Frontier { claimed: 20, exact_from: 12 });
         assert_eq!(decide_shared(&mut e, at(0, 10, 100), rebuilt, live(), false, true, W), Verdict::Undecidable);
+        // From that offset on it is exact: the boundary itself is decided.
+        let from_the_chain = Some(Frontier { claimed: 20, exact_from: 10 });
+        assert_eq!(decide_shared(&mut e, at(0, 10, 100), from_the_chain, live(), false, true, W), Verdict::Own);
+    }
+
+    #[test]
+    fn a_forgotten_partition_starts_from_nothing_and_the_others_keep_theirs() {
+        let mut scope = PrivateScope::new(W);
+        assert!(scope.is_empty());
+        assert_eq!(scope.sight(0, 7, 100, None), Verdict::First);
+        assert_eq!(scope.sight(1, 7, 100, None), Verdict::First);
+        assert!(!scope.is_empty());
+        assert_eq!(scope.len(), 2);
+        scope.forget(0);
+        assert_eq!(scope.len(), 1);
+        // Read again from an earlier offset: the click is first again in partition 0,
+        // and partition 1 still holds its sighting.
+        assert_eq!(scope.sight(0, 7, 90, None), Verdict::First);
+        assert_eq!(scope.sight(1, 7, 101, None), Verdict::Duplicate);
+    }
+
+    #[test]
+    fn the_codes_redis_and_clickhouse_carry_read_back_as_the_verdicts_and_pins_they_stand_for() {
+        let verdicts = [
+            (b'F', Verdict::First),
+            (b'O', Verdict::Own),
+            (b'D', Verdict::Duplicate),
+            (b'd', Verdict::UncountedDuplicate),
+            (b'X', Verdict::CrossDuplicate),
+            (b'U', Verdict::Undecidable),
+            (b'W', Verdict::Wait),
+        ];
+        for (code, verdict) in verdicts {
+            assert_eq!(Verdict::from_code(code), Some(verdict), "{}", code as char);
+        }
+        assert_eq!(Verdict::from_code(b'?'), None);
+        for pin in [Pin::CrossDuplicate, Pin::Uncounted] {
+            assert_eq!(Pin::from_code(pin as u8), Some(pin));
+            assert_eq!(pin.verdict().pin(), Some(pin), "a pinned verdict records its pin again");
+        }
+        assert_eq!((Pin::from_code(0), Pin::from_code(3)), (None, None));
     }
 
     #[test]
@@ -417,7 +458,10 @@ mod tests {
         // chain as one that did not count: a copy on partition 1 then counts.
         let mut rebuilt = Vec::new();
         let warm = ClaimMode { pin: Some(Pin::Uncounted), warm: true };
-        assert_eq!(decide_shared(&mut rebuilt, at(0, 8, 1_090), None, warm, false, true, W), Verdict::UncountedDuplicate);
+        assert_eq!(
+            decide_shared(&mut rebuilt, at(0, 8, 1_090), None, warm, false, true, W),
+            Verdict::UncountedDuplicate
+        );
         assert_eq!(rebuilt, vec![chain(0, 8, false, 1_090)]);
         assert_eq!(decide_shared(&mut rebuilt, at(1, 4, 1_091), None, live(), false, true, W), Verdict::First);
         let mut far = vec![chain(1, 4, true, 1_000)];

@@ -140,6 +140,17 @@ mod tests {
     }
 
     #[test]
+    fn the_window_is_in_seconds_and_each_moved_field_is_named_as_its_own_setting() {
+        assert_eq!(rules().window(), 86_400);
+        assert_eq!(Rules { window_secs: u64::MAX, ..rules() }.window(), Secs::MAX, "saturates");
+        let mut moved = rules();
+        moved.reading.fields.click_id = crate::click::FieldPath::parse("id").unwrap();
+        moved.reading.fields.ts = crate::click::FieldPath::parse("meta.ts").unwrap();
+        let names: Vec<&str> = moved.differences(&rules()).iter().map(|d| d.0).collect();
+        assert_eq!(names, ["validation.fields.click_id", "validation.fields.ts"]);
+    }
+
+    #[test]
     fn a_changed_setting_is_named_with_both_values_and_the_key_only_by_its_id() {
         let other = Rules { window_secs: 3_600, fingerprint_key_id: Rules::key_id("other"), ..rules() };
         let d = rules().differences(&other);

@@ -128,7 +128,8 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
             let o = next.entry(p).or_insert(0);
             let now = clock.entry(p).or_insert(1_000);
             *now += rng.random_range(0..4);
-            let pin = rng.random_bool(0.05).then(|| if rng.random_bool(0.5) { Pin::CrossDuplicate } else { Pin::Uncounted });
+            let pin =
+                rng.random_bool(0.05).then(|| if rng.random_bool(0.5) { Pin::CrossDuplicate } else { Pin::Uncounted });
             let mode = ClaimMode { pin, warm: rng.random_bool(0.1) };
             let sighting = Sighting { partition: p, offset: *o, clock: *now };
             claims.push(Claim { fingerprint: ids[rng.random_range(0..ids.len())], sighting, mode });
