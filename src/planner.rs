@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext};
 use rdkafka::error::KafkaError;
-use rdkafka::{Offset, TopicPartitionList};
+use rdkafka::Offset;
 use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -147,16 +147,7 @@ impl Planner {
         }
         let count = source::partitions(consumer, &self.topic, timeout)?.len();
         self.shared()?.set_partition_count(count as u32);
-        let mut tpl = TopicPartitionList::new();
-        for &p in partitions {
-            tpl.add_partition(&self.topic, p);
-        }
-        let committed = consumer.committed_offsets(tpl, timeout)?;
-        let requested: BTreeMap<i32, Option<i64>> = committed
-            .elements()
-            .iter()
-            .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
-            .collect();
+        let requested = source::group_committed(consumer, &self.topic, partitions, timeout)?;
         let at = source::boundaries(consumer, &self.topic, self.n, &requested, timeout)?;
         let marks = marks(&self.sink, &self.topic, &at, self.window).await?;
         let frontiers = self.shared()?.frontiers(partitions).await?;
@@ -314,7 +305,7 @@ impl Planner {
                     let (consumer, topic, ask) = (group.consumer.clone(), self.topic.clone(), ask.clone());
                     async move {
                         tokio::task::spawn_blocking(move || {
-                            source::group_committed(&consumer, &topic, &ask, Duration::from_secs(10))
+                            source::group_committed(&*consumer, &topic, &ask, Duration::from_secs(10))
                         })
                         .await
                         .map_err(|e| PipelineError::Fatal(format!("the offset look-up panicked: {e}")))?

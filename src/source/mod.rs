@@ -357,10 +357,10 @@ pub fn group_lookup_consumer(k: &KafkaSettings, group: &str) -> Result<BaseConsu
     config.create()
 }
 
-/// `group`'s committed offset of each of `partitions` of `topic` (`None`: nothing
-/// committed). Blocking.
-pub fn group_committed(
-    consumer: &BaseConsumer,
+/// The consumer's group's committed offset of each of `partitions` of `topic` (`None`:
+/// nothing committed). Blocking.
+pub fn group_committed<X: ConsumerContext>(
+    consumer: &impl Consumer<X>,
     topic: &str,
     partitions: &[i32],
     timeout: Duration,

@@ -45,21 +45,9 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The group's description and the topic's offsets. Blocking.
 pub fn kafka_view(k: &KafkaSettings, group: &str, topic: &str) -> Result<KafkaView, KafkaError> {
-    let mut config = source::client_config(k);
-    // Asks for the group's committed offsets without joining it (no subscribe).
-    config.set("group.id", group).set("enable.auto.commit", "false");
-    let consumer: BaseConsumer = config.create()?;
+    let consumer = source::group_lookup_consumer(k, group)?;
     let partitions = source::partitions(&consumer, topic, TIMEOUT)?;
-    let mut tpl = TopicPartitionList::new();
-    for &p in &partitions {
-        tpl.add_partition(topic, p);
-    }
-    let committed: BTreeMap<i32, Option<i64>> = consumer
-        .committed_offsets(tpl, TIMEOUT)?
-        .elements()
-        .iter()
-        .map(|e| (e.partition(), if let Offset::Offset(o) = e.offset() { Some(o) } else { None }))
-        .collect();
+    let committed = source::group_committed(&consumer, topic, &partitions, TIMEOUT)?;
     let mut offsets = BTreeMap::new();
     for &p in &partitions {
         let (log_start, log_end) = consumer.fetch_watermarks(topic, p, TIMEOUT)?;
