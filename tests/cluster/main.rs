@@ -151,7 +151,7 @@ async fn a_redis_master_killed_while_its_replica_lags_fails_over_without_a_doubl
     stack("up", &format!("redis-cluster:{master}")).await;
     assert_eq!(c.redis_role(master).await, "slave", "the old master came back as a replica");
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
     assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
@@ -179,7 +179,7 @@ async fn a_clickhouse_replica_killed_mid_run_holds_the_commits_until_it_is_back_
     assert!(sum_metric(&[&a, &b], "clickagg_clickhouse_retries_total").await > 0.0, "the flushes are retried");
     stack("up", "clickhouse-cluster:3").await;
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
     assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
@@ -205,7 +205,7 @@ async fn a_zookeeper_restart_mid_run_makes_flushes_wait_and_counts_stay_exact() 
     tokio::time::sleep(Duration::from_secs(8)).await;
     stack("up", "zookeeper").await;
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert!(a.metric("clickagg_clickhouse_retries_total", &[]).await > 0.0, "the flushes waited for ZooKeeper");
     assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
@@ -239,7 +239,7 @@ async fn the_leader_broker_of_a_click_partition_killed_mid_run_loses_nothing_and
     tokio::time::sleep(Duration::from_secs(5)).await;
     stack("up", &format!("kafka-cluster:{leader}")).await;
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
     assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
@@ -276,7 +276,7 @@ async fn three_members_with_a_crash_and_a_join_while_a_node_of_each_cluster_dies
     stack("up", "clickhouse-cluster:4").await;
     stack("up", &format!("kafka-cluster:{leader}")).await;
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     for m in [&mut a, &mut m3, &mut d] {
         assert_eq!(m.terminate(Duration::from_secs(30)).await, 0, "{} drains and exits 0", m.label);

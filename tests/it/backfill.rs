@@ -123,7 +123,7 @@ async fn replaying_while_a_member_consumes_the_same_topic_counts_exactly() {
     live.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
     run_to_end(&env, "replay-a", &["replay"], &[], 0).await;
     run_to_end(&env, "replay-b", &["replay"], &[], 0).await;
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(live.terminate(Duration::from_secs(30)).await, 0);
     // What the replays beside the member decided is what a replay alone writes.

@@ -82,7 +82,7 @@ async fn members_killed_with_sigkill_mid_stream_and_mid_flush_count_exactly() {
         }
     }
     let mut last = env.spawn("last", &["run"], &extra);
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(last.terminate(Duration::from_secs(30)).await, 0);
 }
@@ -129,7 +129,7 @@ async fn three_members_joining_and_leaving_the_group_count_exactly() {
     tokio::time::sleep(Duration::from_secs(1)).await;
     b.kill9().await;
     let mut d = env.spawn_member("d");
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert!(a.output().contains("partitions revoked"), "a saw its partitions move");
     assert_eq!(c.terminate(Duration::from_secs(30)).await, 0);
@@ -201,7 +201,7 @@ async fn a_one_second_flush_interval_gives_at_most_one_insert_per_table_per_seco
         assert!(n <= allowed, "{table}: {n} inserts in {secs:.1} s (at most {allowed})");
     }
     assert!(after.len() >= 2, "the counts and the pins at least were written: {after:?}");
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }

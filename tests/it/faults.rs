@@ -43,7 +43,7 @@ async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly
     stack.up("redis").await;
 
     wait_ready(&member, 200, Duration::from_secs(30)).await;
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
@@ -79,7 +79,7 @@ async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_
     stack.up("clickhouse").await;
 
     wait_ready(&member, 200, Duration::from_secs(30)).await;
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.metric("clickagg_consumption_paused", &[]).await, 0.0);
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
@@ -100,7 +100,7 @@ async fn a_kafka_broker_restart_mid_run_is_survived_and_counts_exactly() {
     tokio::time::sleep(Duration::from_secs(3)).await;
     stack.up("kafka").await;
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert!(member.metric("clickagg_kafka_errors_total", &[]).await > 0.0, "the member saw the broker go away");
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
@@ -204,7 +204,7 @@ async fn partitions_taken_over_while_paused_are_paused_and_nothing_piles_up() {
     assert_eq!(first.metric("clickagg_consumption_paused", &[]).await, 1.0);
     let _: () = redis::cmd("CONFIG").arg("SET").arg("maxmemory").arg("0").query_async(&mut redis).await.unwrap();
 
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(first.metric("clickagg_consumption_paused", &[]).await, 0.0);
     assert_eq!(first.terminate(Duration::from_secs(30)).await, 0);
@@ -248,7 +248,7 @@ async fn redis_refusing_writes(name: &str, refuse: redis::Cmd, accept: redis::Cm
     let _: () = accept.query_async(&mut redis).await.expect("let Redis accept writes");
 
     wait_ready(&member, 200, Duration::from_secs(30)).await;
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.metric("clickagg_consumption_paused", &[]).await, 0.0);
     let output = member.output();

@@ -94,7 +94,7 @@ async fn counts_exactly_through_kills_and_an_evolution(
         member.kill9().await;
     }
     let mut last = env.spawn("last", &["run"], &extra);
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth, CONVERGE).await;
 
     // Every bad record has a letter with its reason (a killed member may have sent one

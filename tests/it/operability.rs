@@ -71,7 +71,7 @@ async fn sigterm_mid_run_flushes_commits_only_durable_clicks_and_a_restart_rerea
         assert!(have >= c, "{k:?}: {c} clicks behind the committed offsets, {have} in ClickHouse");
     }
 
-    producer.await.unwrap();
+    producer.finished().await;
     let mut second = env.spawn_member("second");
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     // The restart began at the batch boundary at or below each committed offset: it read
@@ -632,7 +632,7 @@ async fn a_rolling_update_of_four_members_counts_exactly_and_no_partition_stalls
     };
     let (moved, (mut new, ended)) = tokio::join!(sample, update);
     assert!(!producer.is_finished(), "traffic must flow through the whole update: send more records");
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
 
     // The longest time each partition went without a commit, from the update's start

@@ -241,7 +241,7 @@ async fn sealers_racing_each_other_and_a_member_seal_exactly() {
             assert_eq!(code, 0, "{} exited {code}:\n{}", p.label, p.output());
         }
     }
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_settle(&truth.counts, CONVERGE).await;
     // The member's sealer has caught up with what the racing sealers and the late
     // clicks left: every hour current, every seal equal to the minute rows.

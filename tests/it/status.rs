@@ -83,7 +83,7 @@ async fn the_status_page_shows_what_the_metrics_say_and_an_outage_with_its_reaso
     if std::env::var("CLICKAGG_UPDATE_SCREENSHOT").is_ok_and(|v| v == "1") {
         std::fs::copy(&shot, concat!(env!("CARGO_MANIFEST_DIR"), "/docs/status-page.png")).unwrap();
     }
-    producer.await.unwrap();
+    producer.finished().await;
 
     // Once everything is read, committed and reported (librdkafka's lag every 5 s),
     // the values stop moving and the page, the JSON and /metrics must agree exactly.

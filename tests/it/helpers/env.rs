@@ -131,6 +131,7 @@ impl TestEnv {
             log_dir,
             extra_env: Vec::new(),
         };
+        eprintln!("test environment {}: members' logs in {}", env.topic, env.log_dir.display());
         env.sink().migrate().await.expect("migrate");
         env
     }
@@ -225,13 +226,17 @@ impl TestEnv {
     }
 
     /// Produces `records` in the background at `rate` records/s, while the test goes on.
-    pub fn spawn_producer(&self, records: &[Planned], partitions: i32, rate: u64) -> tokio::task::JoinHandle<()> {
+    pub fn spawn_producer(&self, records: &[Planned], partitions: i32, rate: u64) -> Producing {
         let settings = self.settings();
         let topic = self.topic.clone();
         let records = records.to_vec();
-        tokio::spawn(async move {
+        // Sending at `rate`, plus the rounds that send again what a broker outage
+        // stranded: anything longer is a hang, reported as one.
+        let limit = Duration::from_secs_f64(records.len() as f64 / rate.max(1) as f64) + Duration::from_secs(240);
+        let task = tokio::spawn(async move {
             produce::send(&settings.kafka, &topic, partitions, &records, Some(rate), |_| {}).await.expect("produce")
-        })
+        });
+        Producing { task, limit }
     }
 
     /// A connection to this test's Redis.
@@ -463,5 +468,32 @@ impl TestEnv {
         let found = clickagg::seal::check::agreement(&self.sink(), &self.topic).await.expect("comparing seals");
         assert!(found.problems.is_empty(), "sealed hours or days disagree with the minute rows: {:?}", found.problems);
         assert!(found.hours > 0, "nothing was sealed");
+    }
+}
+
+/// A producer sending a test's records in the background ([`TestEnv::spawn_producer`]).
+pub struct Producing {
+    task: tokio::task::JoinHandle<()>,
+    limit: Duration,
+}
+
+impl Producing {
+    /// Waits until every record is acknowledged; panics if the producer failed, or has
+    /// not finished within its time (a hang must fail the test, not stall the suite).
+    pub async fn finished(self) {
+        match tokio::time::timeout(self.limit, self.task).await {
+            Ok(joined) => joined.expect("the producer task"),
+            Err(_) => panic!("the producer did not finish within {:?}", self.limit),
+        }
+    }
+
+    /// Whether it is done sending.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+
+    /// Stops sending.
+    pub fn abort(&self) {
+        self.task.abort()
     }
 }
