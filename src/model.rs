@@ -773,7 +773,6 @@ fn a_settings_change_keeps_the_rows_decided_under_the_old_settings_past_the_comm
 // copies against a cache that no longer holds the copies the other partitions counted
 // back then: both count. The readiness rule does not help: every warm-up is done.
 #[test]
-#[ignore = "PRODUCT DEFECT: each warm-up rebuilds only the window before its own partition, not before the most lagging one; see issue 16 note"]
 fn a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets() {
     // Click 1000 sent to both partitions at 0; partition 1 goes on to 20 and 21.
     let p0 = records(&[(0, Some(1_000)), (1, Some(8))]);

@@ -145,11 +145,17 @@ impl Planner {
         if !self.identity_checked {
             self.check_topic_identity(consumer, timeout).await?;
         }
-        let count = source::partitions(consumer, &self.topic, timeout)?.len();
-        self.shared()?.set_partition_count(count as u32);
-        let requested = source::group_committed(consumer, &self.topic, partitions, timeout)?;
-        let at = source::boundaries(consumer, &self.topic, self.n, &requested, timeout)?;
-        let marks = marks(&self.sink, &self.topic, &at, self.window).await?;
+        let all = source::partitions(consumer, &self.topic, timeout)?;
+        self.shared()?.set_partition_count(all.len() as u32);
+        // Every partition's committed position, not only ours: a warm-up must rebuild the
+        // sightings the most lagging partition will still judge its copies against.
+        let everyone = source::group_committed(consumer, &self.topic, &all, timeout)?;
+        let everyone_at = source::boundaries(consumer, &self.topic, self.n, &everyone, timeout)?;
+        let need = lagging_clock(&self.sink, &self.topic, &everyone_at).await?;
+        let requested: BTreeMap<i32, Option<i64>> =
+            partitions.iter().map(|p| (*p, everyone.get(p).copied().flatten())).collect();
+        let at: BTreeMap<i32, Boundary> = partitions.iter().filter_map(|p| Some((*p, *everyone_at.get(p)?))).collect();
+        let marks = marks(&self.sink, &self.topic, &at, self.window, need).await?;
         let frontiers = self.shared()?.frontiers(partitions).await?;
         let mut starts = Vec::new();
         let mut holds = BTreeMap::new();
@@ -225,7 +231,7 @@ impl Planner {
         let timeout = Duration::from_secs(10);
         let at =
             tokio::task::block_in_place(|| source::boundaries(consumer, &self.topic, self.n, &requested, timeout))?;
-        let marks = marks(&self.sink, &self.topic, &at, self.window).await?;
+        let marks = marks(&self.sink, &self.topic, &at, self.window, None).await?;
         let m = marks[&partition];
         let frontiers = self.shared()?.frontiers(&[partition]).await?;
         let (frontier, _) = position::merge_frontiers(frontiers.get(&partition).map_or(&[][..], Vec::as_slice), m);
@@ -443,25 +449,52 @@ pub fn stopped_while(stopped: Stopped<PipelineError>, what: &str) -> PipelineErr
 /// clock (the lookback; the record just before it judged at a pending jump's time too). Where nothing is recorded, the log start with a fresh clock:
 /// the clock there is the definition's when the log starts at offset 0, and what
 /// retention left of it otherwise.
+///
+/// With `need` (a warm-up of the shared cache: [`lagging_clock`]), the lookback reaches a
+/// window before `need` too when that lies further back: the rebuilt cache must hold
+/// what this partition read that a lagging partition's copies are still judged against.
 pub async fn marks(
     sink: &Sink,
     topic: &str,
     at: &BTreeMap<i32, Boundary>,
     window: Secs,
+    need: Option<Secs>,
 ) -> Result<BTreeMap<i32, Marks>, SinkError> {
     let mut out = BTreeMap::new();
     for (&p, b) in at {
         let log_start = (b.low, PartitionClock::default());
         let near = sink.clock_at_or_below(topic, p, b.low, b.boundary).await?.unwrap_or(log_start);
-        let lookback = match near.1.get() {
-            // Nothing stamped before it: everything before matters as much as it can.
-            None => log_start,
-            Some(c) => {
-                sink.clock_before_time(topic, p, b.low, near.0, c.saturating_sub(window)).await?.unwrap_or(log_start)
+        let lookback = match (near.1.get(), need) {
+            // Nothing stamped before it (or before a lagging partition's position):
+            // everything before matters as much as it can.
+            (None, _) => log_start,
+            (Some(c), need) => {
+                let from = need.map_or(c, |n| n.min(c)).saturating_sub(window);
+                sink.clock_before_time(topic, p, b.low, near.0, from).await?.unwrap_or(log_start)
             }
         };
         let lookback = if lookback.0 > near.0 { near } else { lookback };
         out.insert(p, Marks { boundary: b.boundary, near, lookback });
     }
     Ok(out)
+}
+
+/// The earliest clock at which a partition with records still to read (its boundary
+/// below the log end) goes on: the recorded clock nearest below its boundary. `None`
+/// when none is pending or one has no clock recorded yet — it starts at the log start,
+/// and so must every warm-up's lookback (`marks` falls back to it).
+pub async fn lagging_clock(
+    sink: &Sink,
+    topic: &str,
+    everyone: &BTreeMap<i32, Boundary>,
+) -> Result<Option<Secs>, SinkError> {
+    let mut need: Option<Secs> = None;
+    for (&q, b) in everyone.iter().filter(|(_, b)| b.boundary < b.high) {
+        let clock = sink.clock_at_or_below(topic, q, b.low, b.boundary).await?.and_then(|(_, c)| c.get());
+        match clock {
+            Some(c) => need = Some(need.map_or(c, |n| n.min(c))),
+            None => return Ok(Some(0)),
+        }
+    }
+    Ok(need)
 }

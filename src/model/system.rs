@@ -245,8 +245,24 @@ impl World {
         position::boundary(self.n, 0, self.len(p), requested)
     }
 
+    /// `planner::lagging_clock` from the recorded clocks and the group's commits.
+    fn lagging_clock(&self) -> Option<Secs> {
+        let mut need: Option<Secs> = None;
+        for q in 0..self.partitions() {
+            let b = self.boundary(q, self.committed[q as usize]);
+            if b >= self.len(q) {
+                continue;
+            }
+            match self.marks(q, b, 0, None).near.1.get() {
+                Some(c) => need = Some(need.map_or(c, |n| n.min(c))),
+                None => return Some(0),
+            }
+        }
+        need
+    }
+
     /// `planner::marks` from the recorded clocks.
-    fn marks(&self, p: i32, boundary: i64, window: Secs) -> Marks {
+    fn marks(&self, p: i32, boundary: i64, window: Secs, need: Option<Secs>) -> Marks {
         let log_start = (0, PartitionClock::default());
         let recorded = |to: i64, below: Option<Secs>| {
             self.clocks
@@ -258,7 +274,7 @@ impl World {
         let near = recorded(boundary, None).unwrap_or(log_start);
         let lookback = match near.1.get() {
             None => log_start,
-            Some(c) => recorded(near.0, Some(c.saturating_sub(window))).unwrap_or(log_start),
+            Some(c) => recorded(near.0, Some(need.map_or(c, |n| n.min(c)).saturating_sub(window))).unwrap_or(log_start),
         };
         let lookback = if lookback.0 > near.0 { near } else { lookback };
         Marks { boundary, near, lookback }
@@ -780,8 +796,9 @@ impl Member {
         for &p in partitions {
             w.last_plan.insert(p, (w.plans, self.pid));
         }
+        let need = w.lagging_clock();
         for &p in partitions {
-            let m = w.marks(p, w.boundary(p, w.committed[p as usize]), self.st.window);
+            let m = w.marks(p, w.boundary(p, w.committed[p as usize]), self.st.window, need);
             assert!(m.boundary >= w.latest_from(p), "model: a member would count from before its settings");
             let (frontier, _) = position::merge_frontiers(&w.redis.frontiers(self.ns, p), m);
             let mut start = position::shared_start(p, m, frontier);
@@ -1037,7 +1054,7 @@ impl Member {
         let from = self.st.agg.open_batch_start(p).unwrap_or(count_from);
         let cut = self.st.agg.take_partitions(&[p]);
         self.st.carried.merge(cut);
-        let m = w.marks(p, w.boundary(p, Some(from)), self.st.window);
+        let m = w.marks(p, w.boundary(p, Some(from)), self.st.window, None);
         let (frontier, _) = position::merge_frontiers(&w.redis.frontiers(self.ns, p), m);
         let f = frontier.ok_or(())?;
         let resume = Resume { claimed: f.claimed, exact_from: f.exact_from };
@@ -1256,7 +1273,7 @@ impl Replay {
             let mut starts = Vec::new();
             let (mut position, mut ends) = (BTreeMap::new(), BTreeMap::new());
             for (&q, &(lo, hi)) in &plan.ranges {
-                let start = position::private_start(q, w.marks(q, lo, plan.window), None);
+                let start = position::private_start(q, w.marks(q, lo, plan.window, None), None);
                 position.insert(q, start.read_from);
                 ends.insert(q, hi);
                 starts.push((start, BTreeMap::new(), start.read_from - 1));

@@ -44,7 +44,7 @@ async fn every_dedup_key_deleted_mid_run_while_retries_and_copies_arrive_counts_
     // What a Redis restarted without persistence, a failover to an empty replica or a
     // FLUSHALL does to a running member.
     assert!(env.delete_dedup_keys().await > 0, "the member kept dedup state in Redis");
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
@@ -58,7 +58,7 @@ async fn redis_restarted_without_persistence_mid_run_counts_exactly() {
     let mut member = env.spawn_member("m");
     consumed_at_least(&member, 25_000).await;
     stack.restart_redis_empty().await;
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
@@ -95,7 +95,7 @@ async fn a_rebalance_planned_across_a_redis_restarted_empty_counts_exactly() {
     b.wait_for_line("cannot plan where the assigned partitions start yet", 0, Duration::from_secs(60)).await;
     stack.wipe_redis_data();
     stack.up("redis").await;
-    producer.await.unwrap();
+    producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
 }
@@ -405,4 +405,51 @@ impl TestEnv {
             None => Err("no answer".into()),
         }
     }
+}
+
+/// A partition that lags the others by more than a window when the cache is lost must
+/// still find the copies they counted: every warm-up rebuilds the window before the most
+/// lagging partition's position, not only before its own (issue 16; the model's
+/// `a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets`). Here partition 0's
+/// copy of a click arrives after partition 1 moved five windows past the original.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_on_a_partition_lagging_by_more_than_a_window_when_the_cache_is_lost_counts_once() {
+    let mut env = TestEnv::new("laglost").await;
+    env.batch_offsets = 100;
+    env.extra_env.extend([
+        ("CLICKAGG__DEDUP__WINDOW".to_string(), "60s".to_string()),
+        ("CLICKAGG__VALIDATION__MAX_LATENESS".to_string(), "30s".to_string()),
+    ]);
+    env.create_topic(2, &[]).await;
+    let t0 = chrono::Utc::now().timestamp_millis() - 600_000;
+    // Partition 0 stops a little before t0; partition 1 has the click at t0, then five
+    // minutes of others.
+    let mut first: Vec<Planned> = (0..150).map(|i| click(&format!("p0-{i}"), 3, t0 - 20_000 + i * 100, 0)).collect();
+    first.push(click("twin", 1, t0, 1));
+    first.extend((0..300).map(|i| click(&format!("p1-{i}"), 2, t0 + 1_000 * (i + 1), 1)));
+    env.send(&first, 2, None).await;
+    let mut expected = BTreeMap::new();
+    for r in &first {
+        *expected.entry(bucket(if r.key == "twin" { 1 } else if r.key.starts_with("p0") { 3 } else { 2 }, r.timestamp_ms)).or_insert(0) += 1;
+    }
+    let mut m = env.spawn_member("first");
+    env.assert_counts_converge(&expected, CONVERGE).await;
+    let everything = BTreeMap::from([(0, 150), (1, 301)]);
+    wait_until("everything read is committed", Duration::from_secs(60), || async {
+        crate::helpers::equals(env.committed_offsets().await, everything.clone())
+    })
+    .await;
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+
+    // The cache is lost; then the copy of the click at t0 reaches partition 0, which
+    // lagged (its clock is t0 - 5 s) while partition 1 went on to t0 + 300 s.
+    assert!(env.delete_dedup_keys().await > 0, "the member kept dedup state in Redis");
+    env.send(&[click("twin", 1, t0, 0)], 2, None).await;
+    let mut m = env.spawn_member("second");
+    wait_until("the copy is read and committed", Duration::from_secs(120), || async {
+        crate::helpers::equals(env.committed_offsets().await, BTreeMap::from([(0, 151), (1, 301)]))
+    })
+    .await;
+    env.assert_counts_exact(&expected, "the copy counts as a duplicate of the click partition 1 counted").await;
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
 }
