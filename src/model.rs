@@ -765,13 +765,14 @@ fn a_settings_change_keeps_the_rows_decided_under_the_old_settings_past_the_comm
     assert_eq!(run.w.billing(Grain::Minute), BTreeMap::from([((0, minute), 1)]), "ad 1 counts nothing now");
 }
 
-// PRODUCT DEFECT (found by this model): after the cache is lost (a Redis restarted
-// without persistence, one key group lost, a failover that lost writes — and after every
-// settings change, which moves the cache to a new namespace), each partition's warm-up
-// rebuilds the window before *its own* committed offset. A partition whose reader lags
-// the others by more than a window (not read for a while, a backlog) then decides its
-// copies against a cache that no longer holds the copies the other partitions counted
-// back then: both count. The readiness rule does not help: every warm-up is done.
+// Regression (a defect this model found, fixed): after the cache is lost (a Redis
+// restarted without persistence, one key group lost, a failover that lost writes — and
+// after every settings change, which moves the cache to a new namespace), each
+// partition's warm-up rebuilt the window before *its own* committed offset. A partition
+// whose reader lags the others by more than a window (not read for a while, a backlog)
+// then decided its copies against a cache that no longer held the copies the other
+// partitions counted back then: both counted. Now every warm-up's lookback reaches a
+// window before the most lagging partition's clock (`planner::lagging_clock`).
 #[test]
 fn a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets() {
     // Click 1000 sent to both partitions at 0; partition 1 goes on to 20 and 21.
@@ -783,9 +784,10 @@ fn a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets() {
     run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
     run.op(&Op::Read { m: 0, p: 1, k: 3, then: None, cut: true });
     run.op(&Op::Flush { m: 0, crash_after: None });
-    // The cache is lost. Partition 1's warm-up starts at boundary 1 (its clock there, 0,
-    // is more than a window before 21), so its copy is not in the rebuilt cache, and
-    // partition 0's copy counts too.
+    // The cache is lost. Partition 1's own lookback would start at boundary 1 (its clock
+    // there, 0, is more than a window before 21), without its copy; partition 0 lags
+    // (never read), so the warm-up starts at the log start and partition 0's copy is a
+    // duplicate.
     run.op(&Op::Wipe);
     assert!(run.finish(false));
     assert_eq!(run.check_strictly(), Vec::<String>::new());
