@@ -95,7 +95,7 @@ pub struct World {
     pub committed: Vec<Option<i64>>,
     /// The wall clock (s).
     pub wall: Secs,
-    /// The cross-partition clicks the defects `World::warms_up`, `World::resets_to`,
+    /// The cross-partition clicks the defects `World::resets_to`,
     /// `World::fenced_pins` and `World::orphan_pins` name meet.
     pub exposed: BTreeSet<u32>,
     /// Per partition, the offsets group resets moved past that no member read since.
@@ -139,27 +139,6 @@ impl World {
             next_pid: 0,
             plans: 0,
             last_plan: BTreeMap::new(),
-        }
-    }
-
-    /// A warm-up of `p` in namespace `ns` whose readiness covers the offsets from
-    /// `covered` on: a cross-partition click with a copy on `p` before that was never
-    /// claimed in `ns` (so the cache lacks it while the partition is ready), and another
-    /// copy still to be decided, meets the defect
-    /// `a_lost_cache_forgets_the_copies_a_lagging_partition_still_meets`. (A warm-up that
-    /// starts a chain at a retry, `a_warm_up_that_starts_inside_a_chain_of_copies_loses_the_click`,
-    /// is fixed, but the same clicks are held loosely for the defect that remains.)
-    pub fn warms_up(&mut self, ns: Ns, p: i32, covered: i64) {
-        let claimed = self.redis.claimed.get(&ns);
-        for c in &self.log.cross {
-            // Members count again from the boundary at or below the committed offset.
-            let settled = |&(q, o): &(usize, usize)| (o as i64) < self.boundary(q as i32, self.committed[q]);
-            let missing = |&(q, o): &(usize, usize)| {
-                q as i32 == p && (o as i64) < covered && !claimed.is_some_and(|s| s.contains(&(p, o as i64)))
-            };
-            if c.copies.iter().any(|a| missing(a) && c.copies.iter().any(|b| b != a && !settled(b))) {
-                self.exposed.insert(c.id);
-            }
         }
     }
 
@@ -806,8 +785,7 @@ impl Member {
             start.commit_floor = committed.max(start.count_from);
             let behind = frontier.is_none_or(|f| f.claimed + 1 < m.boundary);
             if matches!(start.scope, Scope::Shared { .. }) && behind {
-                let restarted = w.redis.restart(self.ns, p, m.lookback.0, m.boundary)?;
-                w.warms_up(self.ns, p, if restarted { m.lookback.0 } else { m.boundary });
+                w.redis.restart(self.ns, p, m.lookback.0, m.boundary)?;
             }
             let until = start.read_from + PINS_WINDOW - 1;
             starts.push((start, w.load_pins(p, start.read_from, until, Some(self.ns)), until));
