@@ -151,11 +151,18 @@ impl Planner {
         // sightings the most lagging partition will still judge its copies against.
         let everyone = source::group_committed(consumer, &self.topic, &all, timeout)?;
         let everyone_at = source::boundaries(consumer, &self.topic, self.n, &everyone, timeout)?;
-        let need = lagging_clock(&self.sink, &self.topic, &everyone_at).await?;
+        // The nearest clocks of ours and of those with records left to read, each read once.
+        let wanted: BTreeMap<i32, Boundary> = everyone_at
+            .iter()
+            .filter(|(p, b)| b.boundary < b.high || partitions.contains(p))
+            .map(|(&p, &b)| (p, b))
+            .collect();
+        let nears = nears(&self.sink, &self.topic, &wanted).await?;
+        let need = lagging_clock(&everyone_at, &nears);
         let requested: BTreeMap<i32, Option<i64>> =
             partitions.iter().map(|p| (*p, everyone.get(p).copied().flatten())).collect();
         let at: BTreeMap<i32, Boundary> = partitions.iter().filter_map(|p| Some((*p, *everyone_at.get(p)?))).collect();
-        let marks = marks(&self.sink, &self.topic, &at, self.window, need).await?;
+        let marks = marks_from(&self.sink, &self.topic, &at, &nears, self.window, need).await?;
         let frontiers = self.shared()?.frontiers(partitions).await?;
         let mut starts = Vec::new();
         let mut holds = BTreeMap::new();
@@ -231,7 +238,7 @@ impl Planner {
         let timeout = Duration::from_secs(10);
         let at =
             tokio::task::block_in_place(|| source::boundaries(consumer, &self.topic, self.n, &requested, timeout))?;
-        let marks = marks(&self.sink, &self.topic, &at, self.window, None).await?;
+        let marks = marks(&self.sink, &self.topic, &at, self.window).await?;
         let m = marks[&partition];
         let frontiers = self.shared()?.frontiers(&[partition]).await?;
         let (frontier, _) = position::merge_frontiers(frontiers.get(&partition).map_or(&[][..], Vec::as_slice), m);
@@ -449,26 +456,51 @@ pub fn stopped_while(stopped: Stopped<PipelineError>, what: &str) -> PipelineErr
 /// clock (the lookback; the record just before it judged at a pending jump's time too). Where nothing is recorded, the log start with a fresh clock:
 /// the clock there is the definition's when the log starts at offset 0, and what
 /// retention left of it otherwise.
-///
-/// With `need` (a warm-up of the shared cache: [`lagging_clock`]), the lookback reaches a
-/// window before `need` too when that lies further back: the rebuilt cache must hold
-/// what this partition read that a lagging partition's copies are still judged against.
 pub async fn marks(
     sink: &Sink,
     topic: &str,
     at: &BTreeMap<i32, Boundary>,
+    window: Secs,
+) -> Result<BTreeMap<i32, Marks>, SinkError> {
+    let nears = nears(sink, topic, at).await?;
+    marks_from(sink, topic, at, &nears, window, None).await
+}
+
+/// The nearest recorded clock at or below each boundary of `at`: its offset and the
+/// clock just before it, or the log start and a fresh clock where nothing is recorded.
+async fn nears(
+    sink: &Sink,
+    topic: &str,
+    at: &BTreeMap<i32, Boundary>,
+) -> Result<BTreeMap<i32, (i64, PartitionClock)>, SinkError> {
+    let mut out = BTreeMap::new();
+    for (&p, b) in at {
+        let near = sink.clock_at_or_below(topic, p, b.low, b.boundary).await?;
+        out.insert(p, near.unwrap_or((b.low, PartitionClock::default())));
+    }
+    Ok(out)
+}
+
+/// [`marks`] from the nearest clocks already read. With `need` (a warm-up of the shared
+/// cache: [`lagging_clock`]), the lookback reaches a window before `need` too when that
+/// lies further back: the rebuilt cache must hold what this partition read that a
+/// lagging partition's copies are still judged against.
+async fn marks_from(
+    sink: &Sink,
+    topic: &str,
+    at: &BTreeMap<i32, Boundary>,
+    nears: &BTreeMap<i32, (i64, PartitionClock)>,
     window: Secs,
     need: Option<Secs>,
 ) -> Result<BTreeMap<i32, Marks>, SinkError> {
     let mut out = BTreeMap::new();
     for (&p, b) in at {
         let log_start = (b.low, PartitionClock::default());
-        let near = sink.clock_at_or_below(topic, p, b.low, b.boundary).await?.unwrap_or(log_start);
-        let lookback = match (near.1.get(), need) {
-            // Nothing stamped before it (or before a lagging partition's position):
-            // everything before matters as much as it can.
-            (None, _) => log_start,
-            (Some(c), need) => {
+        let near = nears[&p];
+        let lookback = match near.1.get() {
+            // Nothing stamped before it: everything before matters as much as it can.
+            None => log_start,
+            Some(c) => {
                 let from = need.map_or(c, |n| n.min(c)).saturating_sub(window);
                 sink.clock_before_time(topic, p, b.low, near.0, from).await?.unwrap_or(log_start)
             }
@@ -479,22 +511,40 @@ pub async fn marks(
     Ok(out)
 }
 
-/// The earliest clock at which a partition with records still to read (its boundary
-/// below the log end) goes on: the recorded clock nearest below its boundary. `None`
-/// when none is pending or one has no clock recorded yet — it starts at the log start,
-/// and so must every warm-up's lookback (`marks` falls back to it).
-pub async fn lagging_clock(
-    sink: &Sink,
-    topic: &str,
-    everyone: &BTreeMap<i32, Boundary>,
-) -> Result<Option<Secs>, SinkError> {
+/// The earliest clock from which a partition with records still to read (its boundary
+/// below the log end) goes on: the nearest recorded clock below its boundary. `Some(0)`
+/// when one of them has no clock recorded yet (never read: its records may lie anywhere
+/// in time, so every warm-up starts at the log start); `None` when none is pending.
+pub fn lagging_clock(everyone: &BTreeMap<i32, Boundary>, nears: &BTreeMap<i32, (i64, PartitionClock)>) -> Option<Secs> {
     let mut need: Option<Secs> = None;
-    for (&q, b) in everyone.iter().filter(|(_, b)| b.boundary < b.high) {
-        let clock = sink.clock_at_or_below(topic, q, b.low, b.boundary).await?.and_then(|(_, c)| c.get());
-        match clock {
+    for (q, _) in everyone.iter().filter(|(_, b)| b.boundary < b.high) {
+        match nears.get(q).and_then(|(_, c)| c.get()) {
             Some(c) => need = Some(need.map_or(c, |n| n.min(c))),
-            None => return Ok(Some(0)),
+            None => return Some(0),
         }
     }
-    Ok(need)
+    need
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(boundary: i64, high: i64) -> Boundary {
+        Boundary { boundary, low: 0, high }
+    }
+
+    #[test]
+    fn the_lagging_clock_is_the_earliest_of_the_partitions_with_records_left_to_read() {
+        let at = |c: Secs| (100, PartitionClock::at(Some(c)));
+        let everyone = BTreeMap::from([(0, b(100, 500)), (1, b(100, 900)), (2, b(100, 100))]);
+        let nears = BTreeMap::from([(0, at(5_000)), (1, at(4_000)), (2, at(1_000))]);
+        // Partition 2 is read to its end: it judges nothing more.
+        assert_eq!(lagging_clock(&everyone, &nears), Some(4_000));
+        // A partition never read (no clock recorded) may hold records of any time.
+        let fresh = BTreeMap::from([(0, at(5_000)), (1, (0, PartitionClock::default())), (2, at(1_000))]);
+        assert_eq!(lagging_clock(&everyone, &fresh), Some(0));
+        let done = BTreeMap::from([(0, b(500, 500))]);
+        assert_eq!(lagging_clock(&done, &nears), None);
+    }
 }

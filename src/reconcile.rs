@@ -94,7 +94,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
         })
         .collect();
     let window = s.rules().window();
-    let marks = crate::planner::marks(&sink, &s.kafka.topic, &at, window, None).await?;
+    let marks = crate::planner::marks(&sink, &s.kafka.topic, &at, window).await?;
     let read = Ranges {
         partitions: scan
             .partitions

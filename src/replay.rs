@@ -284,7 +284,7 @@ async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap
         .map(|(&p, &(start, _))| (p, crate::position::Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
         .collect();
     let window = s.rules().window();
-    let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window, None).await?;
+    let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window).await?;
     let starts: Vec<Start> = marks.iter().map(|(&p, &m)| position::private_start(p, m, None)).collect();
     for st in &starts {
         let low = lows[&st.partition];

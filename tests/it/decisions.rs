@@ -14,7 +14,7 @@ use clickagg::aggregate::BucketKey;
 use clickagg::click::Minute;
 use clickagg::produce::{Kind, Planned, Spec};
 
-use crate::helpers::{equals, wait_until, TestEnv};
+use crate::helpers::TestEnv;
 
 const CONVERGE: Duration = Duration::from_secs(180);
 
@@ -209,10 +209,7 @@ async fn a_group_reset_by_the_standard_tool_to_a_time_or_a_shift_mid_batch_then_
         let mut m = env.spawn_member(&format!("after-reset-{i}"));
         // Once the member has committed its way back to where the live run ended, it
         // has re-read everything after the reset.
-        wait_until("the member re-reads to the end", CONVERGE, || async {
-            equals(env.committed_offsets().await, done.clone())
-        })
-        .await;
+        env.wait_committed("the member re-reads to the end", &done, CONVERGE).await;
         env.assert_counts_converge(&truth.counts, CONVERGE).await;
         assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
     }

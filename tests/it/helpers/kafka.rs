@@ -201,6 +201,12 @@ impl TestEnv {
         );
     }
 
+    /// Waits until the group's committed offsets are `want` (every partition of it).
+    pub async fn wait_committed(&self, what: &str, want: &BTreeMap<i32, i64>, timeout: Duration) {
+        super::wait_until(what, timeout, || async { super::equals(self.committed_offsets().await, want.clone()) })
+            .await;
+    }
+
     /// Committed offsets of this test's group, per partition (-1: none).
     pub async fn committed_offsets(&self) -> BTreeMap<i32, i64> {
         let (brokers, group, topic) = (self.brokers.clone(), self.group.clone(), self.topic.clone());
