@@ -580,6 +580,32 @@ EOF
   else mv -f "$cc_dir/users.xml.new" "$cc_dir/users.xml"; fi
 }
 
+# cc_start N BIN: starts node N in the background and records its PID, and how far its
+# error log went before, so a refusal is read from this start's lines only.
+declare -A cc_err_size=()
+cc_start() {
+  local n=$1 bin=$2
+  cc_err_size[$n]=$(log_size "$cc_dir/node$n/logs/clickhouse-server.err.log")
+  cc_started_at[$n]=$SECONDS
+  # shellcheck disable=SC2086
+  nohup setsid $bin --config-file="$cc_dir/node$n/config.xml" >>"$cc_dir/node$n/logs/stdout.log" 2>&1 </dev/null &
+  echo $! >"$(clickhouse_cluster_pidfile "$n")"
+}
+declare -A cc_started_at=()
+
+# cc_wait_started N: node N answers /ping within 120 s, or has exited (status 1).
+cc_wait_started() {
+  wait_ready 120 "$(read_pid "$(clickhouse_cluster_pidfile "$1")")" cc_ping "$1"
+}
+
+cc_start_failed() {
+  local n=$1 how="did not answer within 120 s"
+  own_pid "$(clickhouse_cluster_pidfile "$n")" "$(clickhouse_cluster_match "$n")" >/dev/null \
+    || how="exited after $((SECONDS - ${cc_started_at[$n]:-$SECONDS})) s"
+  { tail -n 30 "$cc_dir/node$n/logs/stdout.log"; tail -c +"$((${cc_err_size[$n]:-0} + 1))" "$cc_dir/node$n/logs/clickhouse-server.err.log" | tail -n 30; } >&2 2>/dev/null || true
+  die "clickhouse-cluster:$n: $how (logs in $cc_dir/node$n/logs)"
+}
+
 clickhouse_cluster_config() {
   local n=$1 d="$cc_dir/node$1" shards="" s r
   mkdir -p "$d/data" "$d/tmp" "$d/user_files" "$d/format_schemas" "$d/logs"
@@ -670,16 +696,28 @@ clickhouse_cluster_up() {
       [ -n "$bin" ] || die "clickhouse: no clickhouse-server binary after installing"
       clickhouse_cluster_config "$n"
       log "clickhouse-cluster:$n: starting on http://127.0.0.1:$(cc_http "$n") (tcp $(cc_tcp "$n"), shard $(cc_shard "$n"), replica $(cc_replica "$n"))"
-      # shellcheck disable=SC2086
-      nohup setsid $bin --config-file="$cc_dir/node$n/config.xml" >>"$cc_dir/node$n/logs/stdout.log" 2>&1 </dev/null &
-      echo $! >"$(clickhouse_cluster_pidfile "$n")"
+      cc_start "$n" "$bin"
     fi
     started+=("$n")
   done
   for n in "${started[@]}"; do
-    if ! wait_ready 60 "$(read_pid "$(clickhouse_cluster_pidfile "$n")")" cc_ping "$n"; then
-      tail -n 30 "$cc_dir/node$n/logs/stdout.log" "$cc_dir/node$n/logs/clickhouse-server.err.log" 2>/dev/null >&2 || true
-      die "clickhouse-cluster:$n: exited or not ready within 60 s (logs in $cc_dir/node$n/logs)"
+    if ! cc_wait_started "$n"; then
+      # A node killed with -9 in the middle of an insert or a merge can leave local parts
+      # ZooKeeper never heard of. Old servers then refuse to start when a small table
+      # looks too different ("doesn't look like the set of parts in ZooKeeper"); the
+      # documented remedy is one start with flags/force_restore_data, which sets the
+      # unknown parts aside and fetches what is missing from the other replica.
+      if ! own_pid "$(clickhouse_cluster_pidfile "$n")" "$(clickhouse_cluster_match "$n")" >/dev/null \
+        && tail -c +"$((${cc_err_size[$n]:-0} + 1))" "$cc_dir/node$n/logs/clickhouse-server.err.log" 2>/dev/null \
+          | grep -q "doesn't look like the set of parts in ZooKeeper"; then
+        log "clickhouse-cluster:$n: refused to start: its local parts differ from ZooKeeper's after an unclean stop; starting once more with flags/force_restore_data"
+        mkdir -p "$cc_dir/node$n/data/flags"
+        touch "$cc_dir/node$n/data/flags/force_restore_data"
+        cc_start "$n" "$(clickhouse_bin)"
+        cc_wait_started "$n" || cc_start_failed "$n"
+      else
+        cc_start_failed "$n"
+      fi
     fi
     if [ -z "$node" ] && ! wait_until 30 "clickhouse-cluster:$n zookeeper" cc_zookeeper_ok "$n"; then
       die "clickhouse-cluster:$n: cannot reach ZooKeeper on 127.0.0.1:$ZOOKEEPER_PORT (logs in $cc_dir/node$n/logs)"
