@@ -10,6 +10,13 @@
 //! moment, not only once the sealer ran. A sealed day is read from
 //! `ad_clicks_sealed_day` while its record's version equals the sum of its 24 hours'
 //! current versions (it was computed from them) and all 24 are current.
+//!
+//! An hour below the sealer's frontier with neither a seal record nor a marker has no
+//! minute rows, and is left out of the minute read: the frontier passed it only as part
+//! of a stretch it found empty (hours before a topic's first minute row, or whole days
+//! it skipped), and any write there since left a marker, which makes the hour read from
+//! the minute rows again. Without this, a range starting before the data read every
+//! minute row of its span.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -43,6 +50,9 @@ pub struct SealState {
     pub topics: BTreeSet<String>,
     pub records: Vec<SealRecord>,
     pub markers: Vec<Marker>,
+    /// Per topic, the sealer's frontier (`clickagg_seal_progress`): every hour before it
+    /// was sealed, or passed as empty.
+    pub frontiers: BTreeMap<String, u32>,
 }
 
 /// The sealed hours and days a read may take from the sealed tables.
@@ -50,6 +60,17 @@ pub struct SealState {
 pub struct Current {
     pub hours: BTreeSet<(String, u32)>,
     pub days: BTreeSet<(String, u32)>,
+    /// Hours with a seal record or a marker: written to at some time.
+    pub known: BTreeSet<(String, u32)>,
+    pub frontiers: BTreeMap<String, u32>,
+}
+
+impl Current {
+    /// No minute rows: below the frontier, never sealed as an hour with rows and never
+    /// written to since (see the module's comment).
+    pub fn is_empty_hour(&self, topic: &str, hour: u32) -> bool {
+        self.frontiers.get(topic).is_some_and(|&f| hour < f) && !self.known.contains(&(topic.to_string(), hour))
+    }
 }
 
 impl SealState {
@@ -80,7 +101,8 @@ impl SealState {
             let at = latest_marker.entry((m.topic.as_str(), m.hour)).or_insert(m.written_at);
             *at = (*at).max(m.written_at);
         }
-        let mut current = Current::default();
+        let mut current = Current { frontiers: self.frontiers.clone(), ..Current::default() };
+        current.known.extend(hours.keys().chain(latest_marker.keys()).map(|&(t, h)| (t.to_string(), h)));
         for (&(topic, hour), &(_, computed_at)) in &hours {
             let stale = latest_marker
                 .get(&(topic, hour))
@@ -133,8 +155,14 @@ pub fn split(from: u32, to: u32, by: Grain, topics: &BTreeSet<String>, current: 
         }
         if by != Grain::Minute {
             for hour in whole(from, to, HOUR) {
-                if !covered.contains(&hour) && current.hours.contains(&(topic.clone(), hour)) {
+                if covered.contains(&hour) {
+                    continue;
+                }
+                if current.hours.contains(&(topic.clone(), hour)) {
                     out.hours.push((topic.clone(), hour));
+                    covered.insert(hour);
+                } else if current.is_empty_hour(topic, hour) {
+                    // Nothing to read anywhere; covered, so the minute read leaves it out.
                     covered.insert(hour);
                 }
             }
@@ -194,6 +222,7 @@ mod tests {
             topics: topics(&["t"]),
             records: vec![record("t", Grain::Hour, h, 7, D + DAY)],
             markers: vec![Marker { topic: "t".into(), hour: h, written_at }],
+            ..SealState::default()
         };
         assert!(state(D + DAY - 61).current(60).hours.contains(&("t".into(), h)));
         assert!(state(D + DAY - 60).current(60).hours.is_empty(), "within the slack: maybe not in the seal");
@@ -210,8 +239,12 @@ mod tests {
 
     #[test]
     fn a_sealed_day_is_current_when_computed_from_its_hours_current_versions() {
-        let mut state =
-            SealState { topics: topics(&["t"]), records: sealed_day("t", D, 5, D + 2 * DAY), markers: vec![] };
+        let mut state = SealState {
+            topics: topics(&["t"]),
+            records: sealed_day("t", D, 5, D + 2 * DAY),
+            markers: vec![],
+            ..SealState::default()
+        };
         assert_eq!(state.current(60).days, BTreeSet::from([("t".to_string(), D)]));
         // An hour re-sealed (version 9) after the day: the day is stale until sealed again.
         state.records.push(record("t", Grain::Hour, D + 3 * HOUR, 9, D + 3 * DAY));
@@ -232,7 +265,8 @@ mod tests {
         records.extend(sealed_day("t", D + DAY, 5, D + 9 * DAY));
         // Day 3: only its first 10 hours sealed so far.
         records.extend((0..10).map(|i| record("t", Grain::Hour, D + 2 * DAY + i * HOUR, 1, D + 9 * DAY)));
-        let current = SealState { topics: topics(&["t"]), records, markers: vec![] }.current(60);
+        let current =
+            SealState { topics: topics(&["t"]), records, markers: vec![], ..SealState::default() }.current(60);
 
         // By day from 12:30 on day 1 to day 3, 20:00: the partial hour and the hours of
         // day 1 from 13:00 sealed hours, day 2 whole, day 3's first 10 hours, the rest
@@ -257,9 +291,13 @@ mod tests {
 
     #[test]
     fn every_topic_is_split_on_its_own_seals_and_an_unsealed_one_reads_minutes() {
-        let current =
-            SealState { topics: topics(&["a", "b"]), records: sealed_day("a", D, 5, D + 9 * DAY), markers: vec![] }
-                .current(60);
+        let current = SealState {
+            topics: topics(&["a", "b"]),
+            records: sealed_day("a", D, 5, D + 9 * DAY),
+            markers: vec![],
+            ..SealState::default()
+        }
+        .current(60);
         let s = split(D, D + DAY, Grain::Day, &topics(&["a", "b"]), &current);
         assert_eq!(s.days, [("a".to_string(), D)]);
         assert_eq!(s.minutes, (D, D + DAY), "b has no seals");
@@ -267,6 +305,44 @@ mod tests {
         let s = split(D, D + DAY, Grain::Day, &topics(&["a"]), &current);
         assert_eq!(s.minutes, (0, 0));
         assert!(split(D, D + DAY, Grain::Day, &BTreeSet::new(), &current).covered.is_empty());
+    }
+
+    #[test]
+    fn hours_below_the_frontier_without_seal_or_marker_are_left_out_of_the_minute_read() {
+        // Data from day 29 on: the frontier started there and stands at day 30, 06:00
+        // (day 29 sealed whole). Day 10, 03:00 was written later (a backfill): a marker.
+        let start = D - 29 * DAY;
+        let mut state = SealState {
+            topics: topics(&["t", "u"]),
+            records: sealed_day("t", D - DAY, 5, D + 6 * HOUR),
+            markers: vec![Marker { topic: "t".into(), hour: start + 9 * DAY + 3 * HOUR, written_at: D }],
+            ..SealState::default()
+        };
+        state.frontiers.insert("t".into(), D + 6 * HOUR);
+        let current = state.current(60);
+        assert!(current.is_empty_hour("t", start));
+        assert!(!current.is_empty_hour("t", start + 9 * DAY + 3 * HOUR), "written to: read it");
+        assert!(!current.is_empty_hour("t", D + 6 * HOUR), "at the frontier: not passed yet");
+        assert!(!current.is_empty_hour("u", start), "no frontier: nothing known");
+
+        // 30 days by day over t: day 29 sealed, the hours before it empty except the
+        // marked one, which the minute read spans from; after the frontier, minutes.
+        let s = split(start, D + DAY, Grain::Day, &topics(&["t"]), &current);
+        assert_eq!(s.days, [("t".to_string(), D - DAY)]);
+        assert!(s.hours.is_empty());
+        assert_eq!(s.minutes, (start + 9 * DAY + 3 * HOUR, D + DAY));
+        assert!(!s.covered.contains(&("t".to_string(), start + 9 * DAY + 3 * HOUR)));
+        assert!(s.covered.contains(&("t".to_string(), start + 9 * DAY + 4 * HOUR)));
+        assert!(!s.covered.contains(&("t".to_string(), D + 6 * HOUR)));
+        // Without the marked hour, the minute read starts at the frontier.
+        state.markers.clear();
+        let s = split(start, D + DAY, Grain::Day, &topics(&["t"]), &state.current(60));
+        assert_eq!(s.minutes, (D + 6 * HOUR, D + DAY));
+        // A topic without a frontier still reads its whole span.
+        let s = split(start, D + DAY, Grain::Day, &topics(&["t", "u"]), &state.current(60));
+        assert_eq!(s.minutes, (start, D + DAY));
+        // By minute: nothing is left out.
+        assert_eq!(split(start, D, Grain::Minute, &topics(&["t"]), &state.current(60)).minutes, (start, D));
     }
 
     #[test]

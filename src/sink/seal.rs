@@ -320,13 +320,17 @@ impl Sink {
              FROM {TOUCHED} WHERE {only} AND hour >= toDateTime(?, 'UTC') AND hour < toDateTime(?, 'UTC') \
              GROUP BY topic, hour \
              UNION ALL \
+             SELECT toUInt8(4) AS kind, topic, toUInt32(max(frontier)) AS at, toUInt64(0) AS version, \
+                    toUInt32(0) AS time \
+             FROM {SEAL_PROGRESS} WHERE {only} GROUP BY topic \
+             UNION ALL \
              SELECT toUInt8(0) AS kind, topic, toUInt32(0) AS at, toUInt64(0) AS version, toUInt32(0) AS time \
              FROM (SELECT topic FROM clickagg_topics UNION ALL SELECT topic FROM {TOUCHED}) \
              WHERE {only} GROUP BY topic"
         );
         let t = topic.unwrap_or("");
         let q = self.client.query(&sql).bind(t).bind(t).bind(from).bind(to).bind(t).bind(t).bind(from).bind(to);
-        let rows: Vec<R> = self.timed(q.bind(t).bind(t).fetch_all()).await?;
+        let rows: Vec<R> = self.timed(q.bind(t).bind(t).bind(t).bind(t).fetch_all()).await?;
         let mut state = SealState::default();
         if let Some(t) = topic {
             state.topics.insert(t.to_string());
@@ -337,6 +341,10 @@ impl Sink {
                     state.topics.insert(r.topic);
                 }
                 3 => state.markers.push(Marker { topic: r.topic, hour: r.at, written_at: r.time }),
+                // Not a topic of its own: a frontier alone says nothing is there.
+                4 => {
+                    state.frontiers.insert(r.topic, r.at);
+                }
                 kind => {
                     state.topics.insert(r.topic.clone());
                     let grain = if kind == 2 { Grain::Day } else { Grain::Hour };

@@ -376,3 +376,59 @@ async fn a_late_click_into_a_sealed_hour_is_resealed_by_the_member() {
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
     env.assert_seals_agree().await;
 }
+
+/// How `query` would split a top 10 by day over `[from, to)` of the test's topic.
+async fn split_of(env: &TestEnv, from: u32, to: u32) -> clickagg::sealing::split::Split {
+    let r = clickagg::sink::billing::BillingRequest {
+        from,
+        to,
+        by: clickagg::aggregate::Grain::Day,
+        ads: vec![],
+        topic: Some(env.topic.clone()),
+        top: Some(10),
+    };
+    env.sink().billing_split(&r).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_range_starting_weeks_before_the_data_reads_no_minute_rows_until_a_write_lands_there() {
+    let mut env = TestEnv::new("sealempty").await;
+    sealing_member(&mut env);
+    let (records, mut truth) =
+        env.plan(Spec { count: 20_000, seed: 41, span: Duration::from_secs(3 * 3600), ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let mut m = env.spawn_member("m1");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (first_day, to) = days_of(&truth.counts);
+    let out = seal(&env, "seal-through", to).await;
+    // 30 days: 28 before the data, which the sealer's frontier passed as empty.
+    let from = first_day - 28 * DAY;
+    let split = split_of(&env, from, to).await;
+    assert_eq!(split.minutes, (0, 0), "after `{out}`, every hour is sealed or known empty: {split:?}");
+    assert_query_exact(&env, &truth.counts, from, to).await;
+
+    // A producer sends clicks stamped 20 days back (record and event time): the hour
+    // gets a marker, so it is read from the minute rows until it is sealed.
+    let old = first_day - 20 * DAY + 3 * HOUR;
+    let late: Vec<Planned> = (0..3)
+        .map(|i| click(&format!("old-{i}"), 515_151, i64::from(old + 600) * 1000, i64::from(old + 600) * 1000))
+        .collect();
+    env.send(&late, 4, None).await;
+    *truth.counts.entry(BucketKey { ad_id: 515_151, minute: Minute::from_epoch_seconds(old + 600) }).or_default() += 3;
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    assert_query_exact(&env, &truth.counts, from, to).await;
+    wait_until("the member seals the written hour", CONVERGE, || async {
+        let s = split_of(&env, from, to).await;
+        let read_sealed =
+            s.hours.contains(&(env.topic.clone(), old)) || s.days.contains(&(env.topic.clone(), old - old % DAY));
+        if s.minutes == (0, 0) && read_sealed {
+            Ok(())
+        } else {
+            Err(format!("minutes {:?}, {} sealed hours read", s.minutes, s.hours.len()))
+        }
+    })
+    .await;
+    assert_query_exact(&env, &truth.counts, from, to).await;
+    assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
+    env.assert_seals_agree().await;
+}
