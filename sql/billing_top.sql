@@ -58,8 +58,8 @@ FROM
               AND minute < {to:DateTime('UTC')}
               AND ({topic:String} = '' OR topic = {topic:String})
               AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
-              AND (topic, toStartOfHour(minute)) NOT IN (SELECT tupleElement(c, 1), tupleElement(c, 2)
-                                                         FROM (SELECT arrayJoin({covered:Array(Tuple(String, DateTime('UTC')))}) AS c))
+            WHERE (topic, toStartOfHour(minute)) NOT IN (SELECT tupleElement(c, 1), tupleElement(c, 2)
+                                                       FROM (SELECT arrayJoin({covered:Array(Tuple(String, DateTime('UTC')))}) AS c))
         )
         GROUP BY ad_id, bucket
     )

@@ -131,7 +131,8 @@ pub struct Split {
     /// (topic, hour) read from the sealed hours.
     pub hours: Vec<(String, u32)>,
     /// The minute rows read: `[from, to)` (empty when `from == to`), without the
-    /// (topic, hour) pairs in `covered` (the hours of `days` and `hours`).
+    /// (topic, hour) pairs in `covered`: the hours of `days` and `hours`, and the hours
+    /// known to be empty, that lie inside that range.
     pub minutes: (u32, u32),
     pub covered: Vec<(String, u32)>,
 }
@@ -182,6 +183,10 @@ pub fn split(from: u32, to: u32, by: Grain, topics: &BTreeSet<String>, current: 
         out.covered.extend(covered.into_iter().map(|h| (topic.clone(), h)));
     }
     out.minutes = if lo < hi { (lo, hi) } else { (0, 0) };
+    // Only the covered hours inside the minute read need leaving out of it: the rest lie
+    // outside its range anyway, and a long list costs ClickHouse 18.16 time on every
+    // row it reads (a 30-day read with 715 covered hours: 3.2 s; with none: 0.5 s).
+    out.covered.retain(|&(_, h)| lo < hi && h < hi && h + HOUR > lo);
     out
 }
 
@@ -331,6 +336,7 @@ mod tests {
         assert_eq!(s.days, [("t".to_string(), D - DAY)]);
         assert!(s.hours.is_empty());
         assert_eq!(s.minutes, (start + 9 * DAY + 3 * HOUR, D + DAY));
+        assert!(!s.covered.contains(&("t".to_string(), start)), "before the minute read: not listed");
         assert!(!s.covered.contains(&("t".to_string(), start + 9 * DAY + 3 * HOUR)));
         assert!(s.covered.contains(&("t".to_string(), start + 9 * DAY + 4 * HOUR)));
         assert!(!s.covered.contains(&("t".to_string(), D + 6 * HOUR)));
@@ -338,6 +344,7 @@ mod tests {
         state.markers.clear();
         let s = split(start, D + DAY, Grain::Day, &topics(&["t"]), &state.current(60));
         assert_eq!(s.minutes, (D + 6 * HOUR, D + DAY));
+        assert!(s.covered.is_empty(), "nothing covered inside the minute read: {:?}", s.covered);
         // A topic without a frontier still reads its whole span.
         let s = split(start, D + DAY, Grain::Day, &topics(&["t", "u"]), &state.current(60));
         assert_eq!(s.minutes, (start, D + DAY));
