@@ -21,8 +21,8 @@
 //!   durable writes, then commits; the sealer's rounds, which compact settled minute rows
 //!   into sealed hours and days and re-seal them when those change, with the lease that
 //!   keeps one sealer at a time.
-//! - [`member`], [`replay`], [`reconcile`], [`query`], [`server`], [`produce`],
-//!   [`verify`]: the processes and what they serve.
+//! - [`member`], [`replay`], [`reconcile`], [`query`], [`explain`], [`server`],
+//!   [`produce`], [`verify`]: the processes and what they serve.
 //! - [`commands`]: the flags and one function per subcommand.
 //! - `model` (tests only): the property test of the whole arrangement. It drives the
 //!   pure pieces of every layer and mirrors the steps that do I/O, so it sits above them
@@ -37,6 +37,7 @@ pub mod commands;
 pub mod config;
 pub mod dead_letter;
 pub mod dedup;
+pub mod explain;
 pub mod flusher;
 pub mod health;
 pub mod member;

@@ -34,6 +34,9 @@ pub enum Command {
     Verify(VerifyArgs),
     /// Billing counts from ClickHouse per ad and minute, hour or day, exact (read through FINAL).
     Query(crate::query::QueryArgs),
+    /// The batches (partition, offset range, writer) whose rows make up the count of one
+    /// ad in one minute.
+    Explain(crate::explain::ExplainArgs),
     /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
     Replay(crate::replay::ReplayArgs),
     /// Recount distinct clicks from the topic for a time range and diff against ClickHouse;

@@ -43,6 +43,7 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Produce(args) => produce(&settings, args).await,
         Command::Verify(args) => verify(&settings, args).await,
         Command::Query(args) => crate::query::run(&settings, &args).await,
+        Command::Explain(args) => crate::explain::run(&settings, &args).await,
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
         Command::Seal(args) => seal(&settings, args).await,

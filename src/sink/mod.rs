@@ -12,7 +12,7 @@
 
 pub mod billing;
 mod error;
-mod read;
+pub mod read;
 mod registry;
 mod schema;
 pub mod seal;
@@ -53,6 +53,12 @@ pub enum Writer {
 /// The stored `version` of a row cut at `offset`: twice the offset, plus the writer's rank.
 pub fn stored_version(offset: i64, writer: Writer) -> u64 {
     (offset.max(0) as u64) * 2 + writer as u64
+}
+
+/// What a stored `version` says: the offset the row was cut at, and who wrote it.
+pub fn read_version(version: u64) -> (i64, Writer) {
+    let writer = if version % 2 == 1 { Writer::Member } else { Writer::Replay };
+    ((version / 2) as i64, writer)
 }
 
 /// A handle on one ClickHouse database. Cheap to clone.

@@ -202,3 +202,37 @@ impl Sink {
             .collect())
     }
 }
+
+/// One batch's row of one (ad, minute) count, as the billing read takes it (`FINAL`:
+/// the highest version of the row).
+#[derive(Debug, Clone, PartialEq, Eq, Row, Deserialize)]
+pub struct BatchOfCount {
+    pub topic: String,
+    pub partition: u32,
+    pub batch_start: u64,
+    pub clicks: u64,
+    pub version: u64,
+    /// When the row was written, Unix seconds.
+    pub written_at: u32,
+}
+
+impl Sink {
+    /// The batches whose rows make up the count of `ad_id` in `minute` (Unix seconds):
+    /// of one topic, or of every topic (`None`), ordered by topic, partition and batch.
+    pub async fn batches_of(
+        &self,
+        ad_id: u64,
+        minute: u32,
+        topic: Option<&str>,
+    ) -> Result<Vec<BatchOfCount>, SinkError> {
+        let sql = format!(
+            "SELECT topic, partition, batch_start, clicks, version, toUInt32(written_at) AS written_at \
+             FROM {TABLE} FINAL \
+             WHERE ad_id = ? AND minute = toDateTime(?, 'UTC') AND (? = '' OR topic = ?) \
+             ORDER BY topic, partition, batch_start"
+        );
+        let t = topic.unwrap_or("");
+        let q = self.client.query(&sql).bind(ad_id).bind(minute).bind(t).bind(t);
+        self.timed(q.fetch_all()).await
+    }
+}

@@ -569,3 +569,74 @@ async fn clickagg_seal_seals_minute_rows_written_before_it_existed_once_and_idem
     }
     env.assert_seals_agree().await;
 }
+
+/// `clickagg explain --ad A --minute M <extra>` with the test's settings: its stdout.
+fn run_explain(env: &TestEnv, ad: u64, minute: u32, extra: &[&str]) -> String {
+    let mut cmd = Command::new(BIN);
+    cmd.args(["explain", "--ad", &ad.to_string(), "--minute", &rfc3339(minute)]).args(extra);
+    for (k, _) in std::env::vars() {
+        if k.starts_with("CLICKAGG__") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(env.member_env()).stdin(Stdio::null());
+    let out = cmd.output().expect("run clickagg explain");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        out.status.success(),
+        "explain {ad} {minute}: {:?}\n{stdout}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_lists_the_batches_whose_clicks_add_up_to_each_count() {
+    let mut env = TestEnv::new("explain").await;
+    env.batch_offsets = 500;
+    let spec = Spec {
+        count: 20_000,
+        ads: 50,
+        seed: 23,
+        duplicate_ratio: 0.2,
+        cross_partition_ratio: 0.3,
+        span: Duration::from_secs(1800),
+        ..Spec::default()
+    };
+    let (records, truth) = env.plan(spec);
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m0");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+
+    // 20 counts spread over the truth (every k-th bucket), and one that has no clicks.
+    let keys: Vec<&BucketKey> = truth.counts.keys().collect();
+    let step = keys.len() / 20;
+    let mut batch_rows = 0;
+    for key in keys.iter().step_by(step).take(20) {
+        let (ad, minute) = (key.ad_id, key.minute.epoch_seconds());
+        let json: serde_json::Value =
+            serde_json::from_str(&run_explain(&env, ad, minute + 17, &["--format", "json"])).unwrap();
+        let want = truth.counts[key];
+        assert_eq!(json["clicks"], want, "ad {ad} minute {minute}: {json}");
+        assert_eq!(json["minute"], rfc3339(minute), "a time inside the minute means the minute");
+        let batches = json["batches"].as_array().unwrap();
+        let sum: u64 = batches.iter().map(|b| b["clicks"].as_u64().unwrap()).sum();
+        assert_eq!(sum, want, "the batches add up to the count: {json}");
+        for b in batches {
+            let (first, last) = (b["first_offset"].as_i64().unwrap(), b["last_offset"].as_i64().unwrap());
+            assert!(b["partition"].as_u64().unwrap() < 4, "{b}");
+            assert!(first % 500 == 0 && first <= last && last < first + 500, "an offset-aligned batch: {b}");
+            assert_eq!(b["writer"], "member", "{b}");
+            assert_eq!(b["topic"], env.topic.as_str());
+        }
+        batch_rows += batches.len();
+        let table = run_explain(&env, ad, minute, &[]);
+        let total = table.lines().last().unwrap().split_whitespace().last().unwrap().parse::<u64>().unwrap();
+        assert_eq!(total, want, "{table}");
+    }
+    assert!(batch_rows > 20, "some counts span several batches: {batch_rows} rows for 20 counts");
+    let absent = run_explain(&env, 999_999_999, keys[0].minute.epoch_seconds(), &[]);
+    assert!(absent.contains(": 0 clicks from 0 batch rows"), "{absent}");
+}
