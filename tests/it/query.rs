@@ -11,6 +11,7 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
+use clickagg::sink::billing::FEW_ADS;
 use clickagg::sink::Writer;
 use clickhouse::Row;
 use serde::Deserialize;
@@ -310,6 +311,14 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
             by: "day",
             top: None,
         },
+        Case {
+            what: "more ads than a few, by hour",
+            from: midnight - DAY,
+            to: midnight + DAY,
+            ads: popular[..FEW_ADS + 1].to_vec(),
+            by: "hour",
+            top: None,
+        },
     ];
     // Nothing sealed: every bucket from the minute rows.
     for case in &cases {
@@ -323,6 +332,8 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
     assert_eq!((report.hours_sealed, report.days_sealed), (25, 1), "{report:?}");
     assert_eq!(sealed_parts(&env, &cases[3]), (1, 1), "days: yesterday sealed, today's 00:00 hour sealed");
     assert_eq!(sealed_parts(&env, &cases[1]), (0, 25), "hours: yesterday's 24 and today's first");
+    assert_eq!(sealed_parts(&env, &cases[8]), (0, 25), "an ad list longer than a few reads the seals too");
+    assert_eq!(sealed_parts(&env, &cases[2]), (0, 0), "a few ads: their minute rows alone, found by key");
     for case in &cases {
         assert_case(&env, &truth.counts, case);
     }
