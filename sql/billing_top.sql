@@ -3,10 +3,14 @@
 -- UTC). Read like sql/billing.sql (sealed days, sealed hours, minute rows, each through
 -- FINAL); see there why that is exact and what the parameters mean.
 --
--- One pass: the innermost query is sql/billing.sql (every ad's buckets); the middle
--- one gathers each ad's buckets into arrays with its total and keeps the `top` ads;
--- ARRAY JOIN turns their arrays back into rows. Ranking in a separate read (`ad_id IN
--- (top ads)`) would read the range twice.
+-- One pass: the innermost query reads what sql/billing.sql reads, with the minute rows
+-- already summed per (ad, bucket) (many batch rows each) and the sealed rows as they
+-- are (one per topic, ad and hour or day); the middle one gathers each ad's rows into
+-- arrays with its total and keeps the `top` ads; ARRAY JOIN turns their arrays back
+-- into rows, summed per bucket for those ads only. Summing every ad's buckets before
+-- ranking cost ClickHouse 18.16 more than reading them (a sealed day, 8 600 ads by
+-- hour: 153 ms against 93 ms); ranking in a separate read (`ad_id IN (top ads)`) would
+-- read the range twice.
 --
 -- Parameters: those of sql/billing.sql, and
 --   top         how many ads, e.g. 10
@@ -25,27 +29,27 @@
 -- On a cluster (`clickagg migrate --cluster`) every table is Distributed and sharded by
 -- ad_id: every ad's rows are on one shard, the inner GROUP BY is merged across shards,
 -- and the ranking runs once over the merged totals.
-SELECT ad_id, bucket, clicks
+SELECT ad_id, bucket, sum(bucket_clicks) AS clicks
 FROM
 (
-    SELECT ad_id, groupArray(bucket) AS buckets, groupArray(bucket_clicks) AS counts, sum(bucket_clicks) AS total
+    SELECT ad_id, groupArray(bucket) AS buckets, groupArray(clicks) AS counts, sum(clicks) AS total
     FROM
     (
-        SELECT ad_id, bucket, sum(clicks) AS bucket_clicks
+        SELECT ad_id, toUInt32(day) AS bucket, clicks
+        FROM ad_clicks_sealed_day FINAL
+        WHERE (topic, day) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
+                               FROM (SELECT arrayJoin({sealed_days:Array(Tuple(String, DateTime('UTC')))}) AS s))
+          AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+        UNION ALL
+        SELECT ad_id, toUInt32(multiIf({by:String} = 'day', toStartOfDay(hour), hour)) AS bucket, clicks
+        FROM ad_clicks_sealed_hour FINAL
+        WHERE (topic, hour) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
+                                FROM (SELECT arrayJoin({sealed_hours:Array(Tuple(String, DateTime('UTC')))}) AS s))
+          AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+        UNION ALL
+        SELECT ad_id, bucket, sum(clicks) AS clicks
         FROM
         (
-            SELECT ad_id, toUInt32(day) AS bucket, clicks
-            FROM ad_clicks_sealed_day FINAL
-            WHERE (topic, day) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
-                                   FROM (SELECT arrayJoin({sealed_days:Array(Tuple(String, DateTime('UTC')))}) AS s))
-              AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
-            UNION ALL
-            SELECT ad_id, toUInt32(multiIf({by:String} = 'day', toStartOfDay(hour), hour)) AS bucket, clicks
-            FROM ad_clicks_sealed_hour FINAL
-            WHERE (topic, hour) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
-                                    FROM (SELECT arrayJoin({sealed_hours:Array(Tuple(String, DateTime('UTC')))}) AS s))
-              AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
-            UNION ALL
             SELECT
                 ad_id,
                 toUInt32(multiIf(
@@ -67,5 +71,6 @@ FROM
     ORDER BY total DESC, ad_id
     LIMIT {top:UInt64}
 )
-ARRAY JOIN buckets AS bucket, counts AS clicks
+ARRAY JOIN buckets AS bucket, counts AS bucket_clicks
+GROUP BY ad_id, bucket
 ORDER BY ad_id, bucket
