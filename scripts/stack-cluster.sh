@@ -77,7 +77,7 @@ zookeeper_install() {
 }
 
 # zk_command WORD: a ZooKeeper four-letter command ("srvr", "ruok") and its answer.
-zk_command() { (exec 3<>"/dev/tcp/127.0.0.1/$ZOOKEEPER_PORT" && printf '%s' "$1" >&3 && cat <&3) 2>/dev/null; }
+zk_command() { tcp_ask 10 "$ZOOKEEPER_PORT" "$1"; }
 zk_serving() { zk_command srvr | grep -q '^Mode: standalone'; }
 
 zookeeper_config() {
@@ -520,7 +520,7 @@ cc_replica() { echo "node$1"; }
 # with 127.0.0.1:PORT, failing unless the status is 200 (bash only, no curl needed).
 http_exchange() {
   local port=$1 request=$2 response
-  response=$( (exec 3<>"/dev/tcp/127.0.0.1/$port" && printf '%s' "$request" >&3 && cat <&3) 2>/dev/null) || return 1
+  response=$(tcp_ask 60 "$port" "$request") || return 1
   [[ ${response%%$'\r'*} == *" 200 "* ]] || { printf '%s\n' "${response#*$'\r\n\r\n'}" >&2; return 1; }
   printf '%s' "${response#*$'\r\n\r\n'}"
 }
