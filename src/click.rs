@@ -34,6 +34,14 @@ impl fmt::Display for ClickId {
     }
 }
 
+/// Unix seconds as RFC 3339 in UTC, to the second (2026-11-30T08:15:00Z).
+pub fn rfc3339(secs: u32) -> String {
+    chrono::DateTime::from_timestamp(i64::from(secs), 0)
+        .expect("u32 seconds are always a valid timestamp")
+        .format("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
+}
+
 /// The start of an event-time minute, in seconds since the Unix epoch.
 ///
 /// Stored in ClickHouse as `DateTime('UTC')`, which holds 32-bit unsigned seconds, so a
@@ -58,10 +66,7 @@ impl Minute {
     }
 
     pub fn to_rfc3339(self) -> String {
-        chrono::DateTime::from_timestamp(i64::from(self.0), 0)
-            .expect("u32 seconds are always a valid timestamp")
-            .format("%Y-%m-%dT%H:%M:%SZ")
-            .to_string()
+        rfc3339(self.0)
     }
 }
 

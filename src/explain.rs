@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use clap::{Args, ValueEnum};
 use serde::Serialize;
 
-use crate::click::Minute;
+use crate::click::{rfc3339, Minute};
 use crate::config::Settings;
 use crate::sink::read::BatchOfCount;
 use crate::sink::{read_version, Sink, Writer};
@@ -133,13 +133,6 @@ fn parse_minute(s: &str) -> Result<DateTime<Utc>, String> {
     DateTime::parse_from_rfc3339(s)
         .map(|t| t.with_timezone(&Utc))
         .map_err(|_| format!("{s:?} is not RFC 3339 (2026-11-30T08:15:00Z)"))
-}
-
-fn rfc3339(secs: u32) -> String {
-    chrono::DateTime::from_timestamp(i64::from(secs), 0)
-        .expect("u32 seconds are always a valid timestamp")
-        .format("%Y-%m-%dT%H:%M:%SZ")
-        .to_string()
 }
 
 pub async fn run(s: &Settings, args: &ExplainArgs) -> Result<std::process::ExitCode> {

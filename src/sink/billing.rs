@@ -44,10 +44,7 @@ pub struct BillingRow {
 
 impl BillingRow {
     pub fn bucket_rfc3339(&self) -> String {
-        chrono::DateTime::from_timestamp(i64::from(self.bucket), 0)
-            .expect("u32 seconds are always a valid timestamp")
-            .format("%Y-%m-%dT%H:%M:%SZ")
-            .to_string()
+        crate::click::rfc3339(self.bucket)
     }
 }
 
