@@ -4,7 +4,7 @@
 //! and a row replaced by a later version (a minute row or a seal) is never summed twice.
 
 use std::collections::BTreeMap;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
 use clickagg::aggregate::{BatchRow, BucketKey};
@@ -16,7 +16,7 @@ use clickagg::sink::Writer;
 use clickhouse::Row;
 use serde::Deserialize;
 
-use crate::helpers::{TestEnv, BIN};
+use crate::helpers::TestEnv;
 
 const CONVERGE: Duration = Duration::from_secs(180);
 const MINUTE: u32 = 60;
@@ -77,34 +77,30 @@ fn parse_bucket(s: &str) -> u32 {
     chrono::DateTime::parse_from_rfc3339(s).unwrap_or_else(|e| panic!("bucket {s:?}: {e}")).timestamp() as u32
 }
 
+/// Runs `clickagg <args>` with this test's settings; its standard output, which must
+/// end in success (`what` names the case in the failure).
+fn stdout_of(env: &TestEnv, args: &[String], what: &str) -> String {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = env.command(&args, &[]).stdin(Stdio::null()).output().expect("run clickagg");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    assert!(out.status.success(), "{what}: {:?}\n{stdout}\n{}", out.status, String::from_utf8_lossy(&out.stderr));
+    stdout
+}
+
 /// Runs `clickagg query` with this test's settings and returns its standard output.
 fn run_query(env: &TestEnv, case: &Case, format: &str, extra: &[&str]) -> String {
-    let mut cmd = Command::new(BIN);
-    cmd.args(["query", "--from", &rfc3339(case.from), "--to", &rfc3339(case.to), "--by", case.by, "--format", format]);
+    let mut args: Vec<String> =
+        ["query", "--from", &rfc3339(case.from), "--to", &rfc3339(case.to), "--by", case.by, "--format", format]
+            .map(String::from)
+            .to_vec();
     for ad in &case.ads {
-        cmd.args(["--ad", &ad.to_string()]);
+        args.extend(["--ad".to_string(), ad.to_string()]);
     }
     if let Some(n) = case.top {
-        cmd.args(["--top", &n.to_string()]);
+        args.extend(["--top".to_string(), n.to_string()]);
     }
-    cmd.args(extra);
-    // The parent's CLICKAGG__ variables must not point the command elsewhere.
-    for (k, _) in std::env::vars() {
-        if k.starts_with("CLICKAGG__") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.member_env()).stdin(Stdio::null());
-    let out = cmd.output().expect("run clickagg query");
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    assert!(
-        out.status.success(),
-        "{}: {:?}\n{stdout}\n{}",
-        case.what,
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    args.extend(extra.iter().map(|s| s.to_string()));
+    stdout_of(env, &args, case.what)
 }
 
 fn parse_json(out: &str) -> Rows {
@@ -583,23 +579,10 @@ async fn clickagg_seal_seals_minute_rows_written_before_it_existed_once_and_idem
 
 /// `clickagg explain --ad A --minute M <extra>` with the test's settings: its stdout.
 fn run_explain(env: &TestEnv, ad: u64, minute: u32, extra: &[&str]) -> String {
-    let mut cmd = Command::new(BIN);
-    cmd.args(["explain", "--ad", &ad.to_string(), "--minute", &rfc3339(minute)]).args(extra);
-    for (k, _) in std::env::vars() {
-        if k.starts_with("CLICKAGG__") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.envs(env.member_env()).stdin(Stdio::null());
-    let out = cmd.output().expect("run clickagg explain");
-    let stdout = String::from_utf8(out.stdout).unwrap();
-    assert!(
-        out.status.success(),
-        "explain {ad} {minute}: {:?}\n{stdout}\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    stdout
+    let mut args: Vec<String> =
+        ["explain", "--ad", &ad.to_string(), "--minute", &rfc3339(minute)].map(String::from).to_vec();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    stdout_of(env, &args, &format!("explain {ad} {minute}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,11 +8,11 @@ use std::time::Duration;
 
 use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
-use clickagg::produce::{Kind, Planned, Spec};
+use clickagg::produce::{Kind, Planned, Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
 use clickagg::sink::Writer;
 
-use crate::helpers::{wait_until, TestEnv};
+use crate::helpers::{wait_until, Member, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 const HOUR: u32 = 3_600;
@@ -33,6 +33,19 @@ fn sealing_member(env: &mut TestEnv) {
     for (k, v) in [("CLICKAGG__VALIDATION__MAX_LATENESS", "30m"), ("CLICKAGG__SEAL__INTERVAL", "1s")] {
         env.extra_env.push((k.into(), v.into()));
     }
+}
+
+/// A test environment whose member (`m1`, sealing as above) has counted 20 000 records
+/// over 3 hours on 4 partitions, from `seed`: the environment, the member, the truth.
+async fn counted_by_a_sealing_member(label: &str, seed: u64) -> (TestEnv, Member, Truth) {
+    let mut env = TestEnv::new(label).await;
+    sealing_member(&mut env);
+    let (records, truth) =
+        env.plan(Spec { count: 20_000, seed, span: Duration::from_secs(3 * 3600), ..Spec::default() });
+    env.send(&records, 4, None).await;
+    let m = env.spawn_member("m1");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    (env, m, truth)
 }
 
 /// Every ad's clicks per `by` bucket over `[from, to)` as `query` reads them (sealed
@@ -156,13 +169,7 @@ async fn a_seal_killed_at_every_step_is_completed_by_the_next_round_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_killed_between_its_minute_rows_and_their_markers_leaves_no_seal_behind() {
-    let mut env = TestEnv::new("sealmarker").await;
-    sealing_member(&mut env);
-    let (records, mut truth) =
-        env.plan(Spec { count: 20_000, seed: 32, span: Duration::from_secs(3 * 3600), ..Spec::default() });
-    env.send(&records, 4, None).await;
-    let mut m = env.spawn_member("m1");
-    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (env, mut m, mut truth) = counted_by_a_sealing_member("sealmarker", 32).await;
     let h = truth.counts.keys().map(|k| k.minute.epoch_seconds()).min().unwrap() / HOUR * HOUR + HOUR;
     wait_until("the member seals the first hours", CONVERGE, || async {
         let n = m.metric("clickagg_seals_total", &["grain=\"hour\""]).await;
@@ -314,13 +321,7 @@ async fn a_replay_that_changes_a_sealed_hour_reseals_it_with_a_higher_version() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_click_into_a_sealed_hour_is_resealed_by_the_member() {
-    let mut env = TestEnv::new("seallate").await;
-    sealing_member(&mut env);
-    let (records, mut truth) =
-        env.plan(Spec { count: 20_000, seed: 37, span: Duration::from_secs(3 * 3600), ..Spec::default() });
-    env.send(&records, 4, None).await;
-    let mut m = env.spawn_member("m1");
-    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (env, mut m, mut truth) = counted_by_a_sealing_member("seallate", 37).await;
     let h = truth.counts.keys().map(|k| k.minute.epoch_seconds()).min().unwrap() / HOUR * HOUR + HOUR;
     let sealed_h = || async {
         let sql = format!(
@@ -392,13 +393,7 @@ async fn split_of(env: &TestEnv, from: u32, to: u32) -> clickagg::sealing::split
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_range_starting_weeks_before_the_data_reads_no_minute_rows_until_a_write_lands_there() {
-    let mut env = TestEnv::new("sealempty").await;
-    sealing_member(&mut env);
-    let (records, mut truth) =
-        env.plan(Spec { count: 20_000, seed: 41, span: Duration::from_secs(3 * 3600), ..Spec::default() });
-    env.send(&records, 4, None).await;
-    let mut m = env.spawn_member("m1");
-    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (env, mut m, mut truth) = counted_by_a_sealing_member("sealempty", 41).await;
     let (first_day, to) = days_of(&truth.counts);
     let out = seal(&env, "seal-through", to).await;
     // 30 days: 28 before the data, which the sealer's frontier passed as empty.
