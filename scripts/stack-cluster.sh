@@ -582,7 +582,7 @@ EOF
 
 # cc_start N BIN: starts node N in the background and records its PID, and how far its
 # error log went before, so a refusal is read from this start's lines only.
-declare -A cc_err_size=()
+declare -A cc_err_size=() cc_started_at=()
 cc_start() {
   local n=$1 bin=$2
   cc_err_size[$n]=$(log_size "$cc_dir/node$n/logs/clickhouse-server.err.log")
@@ -591,18 +591,21 @@ cc_start() {
   nohup setsid $bin --config-file="$cc_dir/node$n/config.xml" >>"$cc_dir/node$n/logs/stdout.log" 2>&1 </dev/null &
   echo $! >"$(clickhouse_cluster_pidfile "$n")"
 }
-declare -A cc_started_at=()
 
 # cc_wait_started N: node N answers /ping within 120 s, or has exited (status 1).
 cc_wait_started() {
   wait_ready 120 "$(read_pid "$(clickhouse_cluster_pidfile "$1")")" cc_ping "$1"
 }
 
+# cc_exited N: node N's process is gone. cc_errors_since_start N: its error log since
+# the last cc_start.
+cc_exited() { ! own_pid "$(clickhouse_cluster_pidfile "$1")" "$(clickhouse_cluster_match "$1")" >/dev/null; }
+cc_errors_since_start() { tail -c +"$((${cc_err_size[$1]:-0} + 1))" "$cc_dir/node$1/logs/clickhouse-server.err.log" 2>/dev/null; }
+
 cc_start_failed() {
   local n=$1 how="did not answer within 120 s"
-  own_pid "$(clickhouse_cluster_pidfile "$n")" "$(clickhouse_cluster_match "$n")" >/dev/null \
-    || how="exited after $((SECONDS - ${cc_started_at[$n]:-$SECONDS})) s"
-  { tail -n 30 "$cc_dir/node$n/logs/stdout.log"; tail -c +"$((${cc_err_size[$n]:-0} + 1))" "$cc_dir/node$n/logs/clickhouse-server.err.log" | tail -n 30; } >&2 2>/dev/null || true
+  cc_exited "$n" && how="exited after $((SECONDS - ${cc_started_at[$n]:-$SECONDS})) s"
+  { tail -n 30 "$cc_dir/node$n/logs/stdout.log"; cc_errors_since_start "$n" | tail -n 30; } >&2 2>/dev/null || true
   die "clickhouse-cluster:$n: $how (logs in $cc_dir/node$n/logs)"
 }
 
@@ -707,9 +710,7 @@ clickhouse_cluster_up() {
       # looks too different ("doesn't look like the set of parts in ZooKeeper"); the
       # documented remedy is one start with flags/force_restore_data, which sets the
       # unknown parts aside and fetches what is missing from the other replica.
-      if ! own_pid "$(clickhouse_cluster_pidfile "$n")" "$(clickhouse_cluster_match "$n")" >/dev/null \
-        && tail -c +"$((${cc_err_size[$n]:-0} + 1))" "$cc_dir/node$n/logs/clickhouse-server.err.log" 2>/dev/null \
-          | grep -q "doesn't look like the set of parts in ZooKeeper"; then
+      if cc_exited "$n" && cc_errors_since_start "$n" | grep -q "doesn't look like the set of parts in ZooKeeper"; then
         log "clickhouse-cluster:$n: refused to start: its local parts differ from ZooKeeper's after an unclean stop; starting once more with flags/force_restore_data"
         mkdir -p "$cc_dir/node$n/data/flags"
         touch "$cc_dir/node$n/data/flags/force_restore_data"
