@@ -4,7 +4,7 @@
 -- hours, and everything else (partial hours at the ends of the range, hours not sealed
 -- yet, hours written since their seal, minute buckets) from the minute rows. Which
 -- (topic, day) and (topic, hour) come from the sealed tables is decided by
--- `clickagg query` from the seal records and the touched-hour markers (src/seal/split.rs):
+-- `clickagg query` from the seal records and the touched-hour markers (src/sealing/split.rs):
 -- a sealed hour is read only while no minute row was written to it after its seal, so
 -- the sum equals the minute rows alone. `covered` lists every (topic, hour) the sealed
 -- part holds; the minute part leaves those out.
