@@ -6,8 +6,9 @@
 -- (topic, day) and (topic, hour) come from the sealed tables is decided by
 -- `clickagg query` from the seal records and the touched-hour markers (src/sealing/split.rs):
 -- a sealed hour is read only while no minute row was written to it after its seal, so
--- the sum equals the minute rows alone. `covered` lists every (topic, hour) the sealed
--- part holds; the minute part leaves those out.
+-- the sum equals the minute rows alone. `covered` lists the (topic, hour) pairs inside
+-- the minute range that the sealed part holds or that hold no minute rows; the minute
+-- part leaves those out.
 --
 -- Exact by construction: a row replaced by a later version (a retried, replayed or
 -- zombie flush; a re-seal) must never be summed twice, so every table is read through
