@@ -55,19 +55,28 @@ async fn clickhouse_down_for_30s_keeps_bounded_state_commits_nothing_and_counts_
     let bound = 3_000;
     env.extra_env.push(("CLICKAGG__PIPELINE__MAX_UNFLUSHED_BUCKETS".into(), bound.to_string()));
     let (records, truth) = env.plan(Spec { count: 90_000, seed: 32, ..Spec::default() });
-    let producer = env.spawn_producer(&records, 4, 2_500);
+    // The outage begins after a fixed share of the records is read, so the clicks that
+    // arrive during it (and the buckets they open) do not depend on how fast this
+    // machine starts a member: CI once took so long that too few were left to reach
+    // the bound.
+    let (first, rest) = records.split_at(20_000);
+    env.send(first, 4, None).await;
     let mut member = env.spawn_member("m");
-    member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    wait_until("the member consumes the first records", Duration::from_secs(90), || async {
+        equals(member.metric("clickagg_records_consumed_total", &[]).await as usize, first.len())
+    })
+    .await;
 
     stack.down("clickhouse").await;
     let outage = Instant::now();
     let body = wait_ready(&member, 503, Duration::from_secs(15)).await;
     assert!(body.contains("clickhouse unreachable"), "{body}");
+    let producer = env.spawn_producer(rest, 4, 2_500);
     tokio::time::sleep(Duration::from_secs(2)).await;
     let before = env.committed_offsets().await;
     // Consumption pauses once the unflushed state reaches the bound: memory stays bounded.
-    wait_until("consumption pauses", Duration::from_secs(25), || async {
+    // The 70 000 records sent meanwhile open several times the bound's buckets.
+    wait_until("consumption pauses", Duration::from_secs(60), || async {
         equals(member.metric("clickagg_consumption_paused", &[]).await, 1.0)
     })
     .await;
