@@ -3,18 +3,29 @@
 //! first offset, the offset its row was cut at, the clicks counted in between and who
 //! wrote it. Listed here so that a disputed minute can be traced to offset ranges of
 //! the topic, which `kcat` or a replay can read again.
+//!
+//! With `--records` it reads those offset ranges again and decides them the way a replay
+//! does (the window before each range rebuilt from the log, the recorded cross-partition
+//! decisions followed): the click IDs that counted, and those that did not with the
+//! reason. Every decision is a function of the log (docs/DESIGN.md §7), so this re-read
+//! decides as the member did, and the clicks it counts add up to the count.
 
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use clap::{Args, ValueEnum};
+use rdkafka::consumer::Consumer as _;
 use serde::Serialize;
 
 use crate::click::{rfc3339, Minute};
 use crate::config::Settings;
+use crate::dedup::Verdict;
+use crate::pipeline::Traced;
 use crate::sink::read::BatchOfCount;
 use crate::sink::{read_version, Sink, Writer};
+use crate::source::{self, ClickIds, Ranges};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ExplainFormat {
@@ -40,6 +51,10 @@ pub struct ExplainArgs {
     pub only_topic: Option<String>,
     #[arg(long, value_enum, default_value_t = ExplainFormat::Table)]
     pub format: ExplainFormat,
+    /// Also read the batches' records from Kafka again and show, per record of this ad
+    /// and minute, whether it counted, and why not.
+    #[arg(long)]
+    pub records: bool,
 }
 
 /// One batch of a count.
@@ -58,6 +73,23 @@ pub struct Batch {
     /// The stored version (2 x `last_offset` + 1 for a member, + 0 for a replay).
     pub version: u64,
     pub written_at: String,
+    /// With `--records`: this ad's clicks of this minute among the batch's offsets, as
+    /// re-read and decided again.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub records: Option<Vec<RecordVerdict>>,
+    /// With `--records`, why they could not be read (retention deleted them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub records_missing: Option<String>,
+}
+
+/// One record of a batch as `--records` decides it again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct RecordVerdict {
+    pub offset: i64,
+    pub click_id: String,
+    pub counted: bool,
+    /// Why it counted or not.
+    pub reason: String,
 }
 
 /// A count and the batches it is the sum of.
@@ -67,6 +99,10 @@ pub struct Explanation {
     pub minute: String,
     pub clicks: u64,
     pub batches: Vec<Batch>,
+    /// With `--records`: how many of the records listed counted (equal to `clicks` when
+    /// every batch could be read).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub records_counted: Option<u64>,
 }
 
 impl Explanation {
@@ -87,10 +123,39 @@ impl Explanation {
                     },
                     version: r.version,
                     written_at: rfc3339(r.written_at),
+                    records: None,
+                    records_missing: None,
                 }
             })
             .collect();
-        Explanation { ad_id, minute: minute.to_rfc3339(), clicks: batches.iter().map(|b| b.clicks).sum(), batches }
+        let clicks = batches.iter().map(|b| b.clicks).sum();
+        Explanation { ad_id, minute: minute.to_rfc3339(), clicks, batches, records_counted: None }
+    }
+
+    /// Fills in each batch's records from what a re-read decided (`traced`, per topic, in
+    /// the order applied, warm-up included) and the click IDs it kept.
+    pub fn add_records(&mut self, ad_id: u64, minute: Minute, topic: &str, traced: &[Traced], ids: &ClickIds) {
+        // Per (partition, fingerprint), the latest sighting read so far: the one a
+        // duplicate is judged against.
+        let mut latest: HashMap<(i32, u128), i64> = HashMap::new();
+        let mut verdicts: BTreeMap<(i32, i64), RecordVerdict> = BTreeMap::new();
+        for t in traced {
+            let Some(click) = &t.click else { continue };
+            let earlier = latest.insert((t.partition, click.click_id.0), t.offset);
+            if t.warm || click.ad_id != ad_id || click.minute != minute {
+                continue;
+            }
+            let (counted, reason) = reason_for(t.verdict, earlier);
+            let click_id = ids.get(&(t.partition, t.offset)).cloned().unwrap_or_default();
+            verdicts.insert((t.partition, t.offset), RecordVerdict { offset: t.offset, click_id, counted, reason });
+        }
+        for b in self.batches.iter_mut().filter(|b| b.topic == topic && b.records_missing.is_none()) {
+            let p = b.partition as i32;
+            let range = (p, b.first_offset as i64)..=(p, b.last_offset);
+            b.records = Some(verdicts.range(range).map(|(_, v)| v.clone()).collect());
+        }
+        self.records_counted =
+            Some(self.batches.iter().flat_map(|b| b.records.iter().flatten()).filter(|r| r.counted).count() as u64);
     }
 
     pub fn table(&self) -> String {
@@ -125,7 +190,47 @@ impl Explanation {
             );
         }
         let _ = writeln!(out, "{:<topic_width$}  {:>9}  {:>25}  {:>8}", "total", "", "", self.clicks);
+        let Some(counted) = self.records_counted else { return out };
+        for b in &self.batches {
+            let _ = writeln!(
+                out,
+                "\n{} partition {}, offsets {}..={}:",
+                b.topic, b.partition, b.first_offset, b.last_offset
+            );
+            if let Some(why) = &b.records_missing {
+                let _ = writeln!(out, "  records not read: {why}");
+            }
+            for r in b.records.iter().flatten() {
+                let verdict = if r.counted { "counted" } else { "not counted" };
+                let _ = writeln!(out, "  {:>12}  {:<40}  {:<11}  {}", r.offset, r.click_id, verdict, r.reason);
+            }
+        }
+        let _ = writeln!(out, "\nrecords counted: {counted} (the count: {})", self.clicks);
         out
+    }
+}
+
+/// Whether a verdict counts, and why, in words; `earlier` is the offset of the latest
+/// earlier sighting of the click ID in the partition.
+fn reason_for(verdict: Option<Verdict>, earlier: Option<i64>) -> (bool, String) {
+    match verdict {
+        Some(Verdict::First) => (true, "first sighting of its click ID on this partition within the window".into()),
+        Some(Verdict::Own) => (true, "the sighting that counted, read again".into()),
+        Some(Verdict::Duplicate) => (
+            false,
+            match earlier {
+                Some(o) => format!("duplicate: sighted at offset {o} of this partition within the window"),
+                None => "duplicate: sighted earlier on this partition within the window".into(),
+            },
+        ),
+        Some(Verdict::UncountedDuplicate) => {
+            (false, "duplicate of a copy that did not count, because a copy on another partition did (pinned)".into())
+        }
+        Some(Verdict::CrossDuplicate) => {
+            (false, "copy of a click counted on another partition within the window (pinned)".into())
+        }
+        Some(v @ (Verdict::Undecidable | Verdict::Wait)) => (false, format!("not decided ({v:?})")),
+        None => (false, "not decided".into()),
     }
 }
 
@@ -144,12 +249,64 @@ pub async fn run(s: &Settings, args: &ExplainArgs) -> Result<std::process::ExitC
         .batches_of(args.ad, minute.epoch_seconds(), args.only_topic.as_deref())
         .await
         .with_context(|| format!("reading the batch rows of the count in database {}", sink.database()))?;
-    let e = Explanation::new(args.ad, minute, rows);
+    let mut e = Explanation::new(args.ad, minute, rows);
+    if args.records {
+        read_records(s, &sink, &mut e, args.ad, minute).await?;
+    }
     match args.format {
         ExplainFormat::Table => print!("{}", e.table()),
         ExplainFormat::Json => println!("{}", serde_json::to_string(&e).expect("an explanation serializes")),
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Reads the batches' records again (`--records`): per topic and settings version, one
+/// re-read of the hull of its batches' offsets per partition, decided as a replay
+/// decides, under the settings the topic records for those offsets.
+async fn read_records(s: &Settings, sink: &Sink, e: &mut Explanation, ad_id: u64, minute: Minute) -> Result<()> {
+    let topics: std::collections::BTreeSet<String> = e.batches.iter().map(|b| b.topic.clone()).collect();
+    for topic in topics {
+        let mut on = s.clone();
+        on.kafka.topic = topic.clone();
+        let history = sink.rules_history(&topic).await.context("reading the recorded dedup settings")?;
+        let consumer = source::lookup_consumer(&on.kafka)?;
+        let mut lows = BTreeMap::new();
+        // Per settings version, the offsets to decide again.
+        let mut by_version: BTreeMap<u32, Ranges> = BTreeMap::new();
+        for b in e.batches.iter_mut().filter(|b| b.topic == topic) {
+            let p = b.partition as i32;
+            let (first, last) = (b.first_offset as i64, b.last_offset);
+            if let std::collections::btree_map::Entry::Vacant(e) = lows.entry(p) {
+                let (low, _) = consumer
+                    .fetch_watermarks(&topic, p, std::time::Duration::from_secs(15))
+                    .with_context(|| format!("the offsets of {topic} partition {p}"))?;
+                e.insert(low);
+            }
+            if lows[&p] > first {
+                b.records_missing =
+                    Some(format!("retention deleted them (the partition starts at offset {} now)", lows[&p]));
+                continue;
+            }
+            let version = history.at(p, first).map_or(1, |v| v.version);
+            let range = by_version.entry(version).or_default().partitions.entry(p).or_insert((first, last + 1));
+            *range = (range.0.min(first), range.1.max(last + 1));
+        }
+        let (mut traced, mut ids) = (Vec::new(), ClickIds::new());
+        for (version, ranges) in by_version {
+            let under = match history.versions.iter().find(|v| v.version == version) {
+                Some(v) => crate::replay::settings_of(&on, &v.rules),
+                None => on.clone(),
+            };
+            let (more, more_ids) = crate::replay::trace(&under, sink, ranges, &lows).await?;
+            traced.extend(more);
+            ids.extend(more_ids);
+        }
+        e.add_records(ad_id, minute, &topic, &traced, &ids);
+    }
+    if e.records_counted.is_none() {
+        e.records_counted = Some(0);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -174,6 +331,53 @@ mod tests {
         let json: serde_json::Value = serde_json::to_value(&e).unwrap();
         assert_eq!(json["batches"][1]["writer"], "replay");
         assert_eq!(json["clicks"], 5);
+    }
+
+    #[test]
+    fn records_are_those_of_the_ad_and_minute_inside_each_batch_with_the_reason_they_counted_or_not() {
+        use crate::click::Click;
+        use crate::dedup::Fingerprint;
+        let minute = Minute::from_epoch_seconds(1_796_083_200);
+        let other = Minute::from_epoch_seconds(1_796_083_260);
+        let t = |offset: i64, warm: bool, id: u128, ad_id: u64, minute: Minute, verdict: Verdict| Traced {
+            partition: 0,
+            offset,
+            warm,
+            click: Some(Click { click_id: Fingerprint(id), ad_id, ts_ms: 0, minute }),
+            verdict: Some(verdict),
+        };
+        let traced = vec![
+            // Warm-up: click 1 sighted before the batch.
+            t(990, true, 1, 12, minute, Verdict::First),
+            t(1000, false, 1, 12, minute, Verdict::Duplicate),
+            t(1001, false, 2, 12, minute, Verdict::First),
+            t(1002, false, 3, 12, other, Verdict::First),
+            t(1003, false, 4, 99, minute, Verdict::First),
+            t(1004, false, 5, 12, minute, Verdict::CrossDuplicate),
+            Traced { partition: 0, offset: 1005, warm: false, click: None, verdict: None },
+            t(1006, false, 2, 12, minute, Verdict::Duplicate),
+            // Past the row's cut: not this row's.
+            t(1500, false, 6, 12, minute, Verdict::First),
+        ];
+        let ids: ClickIds = [(1000, "c1"), (1001, "c2"), (1004, "c5"), (1006, "c2")]
+            .into_iter()
+            .map(|(o, id)| ((0, o), id.to_string()))
+            .collect();
+        let mut e = Explanation::new(12, minute, vec![row(0, 1000, 1, 2 * 1499 + 1)]);
+        e.add_records(12, minute, "clicks", &traced, &ids);
+        let records = e.batches[0].records.clone().unwrap();
+        let listed: Vec<(i64, &str, bool)> =
+            records.iter().map(|r| (r.offset, r.click_id.as_str(), r.counted)).collect();
+        assert_eq!(listed, vec![(1000, "c1", false), (1001, "c2", true), (1004, "c5", false), (1006, "c2", false)]);
+        assert!(records[0].reason.contains("offset 990"), "{records:?}");
+        assert!(records[2].reason.contains("another partition"), "{records:?}");
+        assert!(records[3].reason.contains("offset 1001"), "{records:?}");
+        assert_eq!(e.records_counted, Some(1));
+        let table = e.table();
+        assert!(table.contains("records counted: 1 (the count: 1)"), "{table}");
+        assert!(table.contains("c5") && table.contains("not counted"), "{table}");
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["batches"][0]["records"].as_array().unwrap().len(), 4);
     }
 
     #[test]

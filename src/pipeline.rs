@@ -28,6 +28,7 @@ use rdkafka::consumer::CommitMode;
 use tracing::{info, warn};
 
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
+use crate::click::Click;
 use crate::config::Settings;
 use crate::dedup::{
     Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict,
@@ -116,6 +117,20 @@ pub struct Stages {
     pub totals: BatchStats,
     health: Arc<Health>,
     log_limit: RateLimiter,
+    /// Every record applied, with its verdict, while a caller traces (`explain --records`).
+    trace: Option<Vec<Traced>>,
+}
+
+/// One record as the stages decided it: what `explain --records` prints.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Traced {
+    pub partition: i32,
+    pub offset: i64,
+    /// Read only to rebuild dedup state before the counted range.
+    pub warm: bool,
+    /// The click, `None` for a rejected record.
+    pub click: Option<Click<Fingerprint>>,
+    pub verdict: Option<Verdict>,
 }
 
 /// One partition being read (see `position`).
@@ -284,7 +299,18 @@ impl Stages {
             totals: BatchStats::default(),
             health,
             log_limit: RateLimiter::new(Duration::from_secs(5)),
+            trace: None,
         }
+    }
+
+    /// From now on, keeps every record applied with its verdict, for [`Stages::take_trace`].
+    pub fn trace_records(&mut self) {
+        self.trace.get_or_insert_with(Vec::new);
+    }
+
+    /// The records applied since the last call (while tracing), in the order applied.
+    pub fn take_trace(&mut self) -> Vec<Traced> {
+        self.trace.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// The partitions being read.
@@ -468,6 +494,10 @@ impl Stages {
                 continue;
             }
             applied.insert(p, i.record.offset);
+            if let Some(trace) = &mut self.trace {
+                let click = i.record.outcome.as_ref().ok().cloned();
+                trace.push(Traced { partition: p, offset: i.record.offset, warm: i.warm, click, verdict: i.verdict });
+            }
             if i.warm {
                 stats.warmup += 1;
                 continue;

@@ -262,7 +262,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
 
 /// `s` with the window, validation limits and reading of recorded `rules` (the fingerprint key
 /// and shard count only shape the cache, which a replay does not use).
-fn settings_of(s: &Settings, rules: &crate::dedup::Rules) -> Settings {
+pub fn settings_of(s: &Settings, rules: &crate::dedup::Rules) -> Settings {
     let mut under = s.clone();
     under.dedup.window = Some(Duration::from_secs(rules.window_secs));
     under.validation.max_payload_bytes = rules.max_payload_bytes as usize;
@@ -379,6 +379,38 @@ async fn run_plan(
     }
     progress.finish();
     Ok(Summary { ranges, stats: stages.totals, rows_written: flusher.rows_flushed(), elapsed: Duration::ZERO })
+}
+
+/// What a re-read decides for every record of `counted` (and of the warm-up before it),
+/// with the click IDs of `counted`: the stages of a replay (private state, the recorded
+/// pins) under settings `s`, with nothing written anywhere. `explain --records` prints it.
+pub async fn trace(
+    s: &Settings,
+    sink: &Sink,
+    counted: Ranges,
+    lows: &BTreeMap<i32, i64>,
+) -> Result<(Vec<crate::pipeline::Traced>, source::ClickIds)> {
+    let within = counted.clone();
+    let Plan { starts, read, .. } = plan_starts(s, sink, counted, lows).await?;
+    let never = CancellationToken::new();
+    let mut stages = Stages::new(StagesConfig::from_settings(s), Health::new());
+    stages.trace_records();
+    let mut planner = Planner::for_replay(s, sink.clone())?;
+    stages.assign(starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect());
+    let mut reader = RangeReader::for_settings(s, "explain", &read)?;
+    reader.keep_click_ids(within);
+    let mut traced = Vec::new();
+    while let Some(records) = reader.next_batch().await.context("reading the topic")? {
+        planner.ensure_pins(&mut stages, &records, &never, s.pipeline.max_backoff).await?;
+        let prepared = stages.prepare(records);
+        stages.apply(prepared, Vec::new());
+        traced.extend(stages.take_trace());
+        // The rows are not written: drop them as they pile up.
+        if stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets {
+            stages.cut(CommitMode::Async);
+        }
+    }
+    Ok((traced, reader.take_click_ids()))
 }
 
 /// A bar per partition with ETA on a terminal; a log line every 5 s otherwise.

@@ -420,7 +420,13 @@ pub struct RangeReader {
     open: std::collections::BTreeMap<i32, (i64, i64)>,
     decoder: Decoder,
     max_records: usize,
+    /// The click IDs (as text) of the records read within these ranges, kept for
+    /// `explain --records`; the pipeline itself keeps only fingerprints.
+    ids: Option<(Ranges, ClickIds)>,
 }
+
+/// Click IDs by (partition, offset).
+pub type ClickIds = std::collections::BTreeMap<(i32, i64), String>;
 
 impl RangeReader {
     /// A reader of `ranges` for a process of `role` (`replay`, `reconcile`): a group name
@@ -453,7 +459,18 @@ impl RangeReader {
         if tpl.count() > 0 {
             consumer.assign(&tpl)?;
         }
-        Ok(RangeReader { consumer, topic: k.topic.clone(), open, decoder, max_records })
+        Ok(RangeReader { consumer, topic: k.topic.clone(), open, decoder, max_records, ids: None })
+    }
+
+    /// Keeps the click ID of every valid record read within `within`, for
+    /// [`RangeReader::take_click_ids`].
+    pub fn keep_click_ids(&mut self, within: Ranges) {
+        self.ids = Some((within, ClickIds::new()));
+    }
+
+    /// The click IDs kept since the last call.
+    pub fn take_click_ids(&mut self) -> ClickIds {
+        self.ids.as_mut().map(|(_, ids)| std::mem::take(ids)).unwrap_or_default()
     }
 
     pub fn consumer(&self) -> &rdkafka::consumer::StreamConsumer {
@@ -470,7 +487,7 @@ impl RangeReader {
     /// outage is waited out (the caller's shutdown drops this future).
     pub async fn next_batch(&mut self) -> Result<Option<Vec<Record>>, ReadError> {
         use futures_util::{FutureExt, StreamExt};
-        let RangeReader { consumer, topic, open, decoder, max_records } = self;
+        let RangeReader { consumer, topic, open, decoder, max_records, ids: kept_ids } = self;
         let finish = |open: &mut std::collections::BTreeMap<i32, (i64, i64)>, p: i32| {
             if open.remove(&p).is_some() {
                 let mut tpl = TopicPartitionList::new();
@@ -509,6 +526,15 @@ impl RangeReader {
                         crate::retry::Stopped::ShutDown => unreachable!("never cancelled"),
                     })?;
                     out.push(Record::decode(&msg, decoder));
+                    if let Some((within, kept)) = kept_ids {
+                        let (p, o) = (msg.partition(), msg.offset());
+                        if within.partitions.get(&p).is_some_and(|&(start, end)| (start..end).contains(&o)) {
+                            let timestamp = msg.timestamp().to_millis();
+                            if let Ok(click) = decoder.decode(msg.payload(), timestamp, |id| id.to_owned()) {
+                                kept.insert((p, o), click.click_id);
+                            }
+                        }
+                    }
                     if msg.offset() + 1 >= end {
                         finish(open, p);
                     } else {

@@ -423,8 +423,10 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
 /// Every ad on 2026-11-30, bucketed `by`: the day the version tests write.
 fn nov_30(by: By) -> QueryArgs {
     QueryArgs {
-        from: query::parse_time("2026-11-30").unwrap(),
-        to: query::parse_time("2026-12-01").unwrap(),
+        from: Some(query::parse_time("2026-11-30").unwrap()),
+        to: Some(query::parse_time("2026-12-01").unwrap()),
+        period: None,
+        with_adjustments: false,
         ads: vec![],
         by,
         top: None,
@@ -555,7 +557,7 @@ async fn clickagg_seal_seals_minute_rows_written_before_it_existed_once_and_idem
         }
         t
     };
-    let days = |by| QueryArgs { to: query::parse_time("2026-12-03").unwrap(), ..nov_30(by) };
+    let days = |by| QueryArgs { to: Some(query::parse_time("2026-12-03").unwrap()), ..nov_30(by) };
     // ad 7: 3 + 4 + 1 (batch 0) + 6 (batch 1000); ad 8: 9 and 4.
     let want: BTreeMap<u64, u64> = [(7, 14), (8, 13)].into();
     for by in [By::Minute, By::Hour, By::Day] {
@@ -633,4 +635,77 @@ async fn explain_lists_the_batches_whose_clicks_add_up_to_each_count() {
     assert!(batch_rows > 20, "some counts span several batches: {batch_rows} rows for 20 counts");
     let absent = run_explain(&env, 999_999_999, keys[0].minute.epoch_seconds(), &[]);
     assert!(absent.contains(": 0 clicks from 0 batch rows"), "{absent}");
+
+    // --records: the generator's click IDs per bucket (its retries and copies repeat
+    // their original's ad and time here), against what the re-read decides.
+    let mut ids_of: BTreeMap<BucketKey, std::collections::BTreeSet<String>> = BTreeMap::new();
+    for r in &records {
+        let Ok(v) = serde_json::from_slice::<serde_json::Value>(&r.payload) else { continue };
+        // The generator writes `ts` as epoch milliseconds or as RFC 3339 text.
+        let ts = v["ts"].as_i64().or_else(|| {
+            v["ts"].as_str().and_then(|t| chrono::DateTime::parse_from_rfc3339(t).ok()).map(|t| t.timestamp_millis())
+        });
+        let (Some(id), Some(ad), Some(ts)) = (v["click_id"].as_str(), v["ad_id"].as_u64(), ts) else {
+            continue;
+        };
+        let key = BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds((ts / 1000) as u32) };
+        ids_of.entry(key).or_default().insert(id.to_string());
+    }
+    let mut not_counted = 0;
+    let checked: Vec<&BucketKey> = keys.iter().step_by(step).take(6).copied().collect();
+    for key in &checked {
+        let (ad, minute) = (key.ad_id, key.minute.epoch_seconds());
+        let json: serde_json::Value =
+            serde_json::from_str(&run_explain(&env, ad, minute, &["--records", "--format", "json"])).unwrap();
+        let want = truth.counts[key];
+        assert_eq!(json["records_counted"], want, "the records that count add up to the count: {json}");
+        let listed: Vec<&serde_json::Value> =
+            json["batches"].as_array().unwrap().iter().flat_map(|b| b["records"].as_array().unwrap()).collect();
+        let counted: std::collections::BTreeSet<&str> =
+            listed.iter().filter(|r| r["counted"] == true).map(|r| r["click_id"].as_str().unwrap()).collect();
+        assert_eq!(counted.len() as u64, want, "each counted click ID once: {json}");
+        assert!(counted.iter().all(|id| ids_of[key].contains(*id)), "only clicks of this ad and minute: {json}");
+        for r in listed.iter().filter(|r| r["counted"] == false) {
+            let id = r["click_id"].as_str().unwrap();
+            assert!(counted.contains(id), "a click not counted here counted in another of the batches: {r}");
+            let reason = r["reason"].as_str().unwrap();
+            assert!(reason.starts_with("duplicate") || reason.starts_with("copy of a click"), "{r}");
+            not_counted += 1;
+        }
+        for b in json["batches"].as_array().unwrap() {
+            let offsets: Vec<i64> =
+                b["records"].as_array().unwrap().iter().map(|r| r["offset"].as_i64().unwrap()).collect();
+            let (first, last) = (b["first_offset"].as_i64().unwrap(), b["last_offset"].as_i64().unwrap());
+            assert!(offsets.iter().all(|o| (first..=last).contains(o)), "only the batch's own offsets: {b}");
+        }
+    }
+    assert!(not_counted > 0, "retries and copies among the records listed");
+    let key = checked[0];
+    let table = run_explain(&env, key.ad_id, key.minute.epoch_seconds(), &["--records"]);
+    let want = truth.counts[key];
+    assert!(table.contains(&format!("records counted: {want} (the count: {want})")), "{table}");
+
+    // Retention deletes a partition's records: the batches there say so, the others are read.
+    let json: serde_json::Value =
+        serde_json::from_str(&run_explain(&env, key.ad_id, key.minute.epoch_seconds(), &["--format", "json"])).unwrap();
+    let gone = json["batches"][0]["partition"].as_i64().unwrap() as i32;
+    env.delete_records_before(gone, json["batches"][0]["last_offset"].as_i64().unwrap() + 1).await;
+    let json: serde_json::Value = serde_json::from_str(&run_explain(
+        &env,
+        key.ad_id,
+        key.minute.epoch_seconds(),
+        &["--records", "--format", "json"],
+    ))
+    .unwrap();
+    let mut read = 0;
+    for b in json["batches"].as_array().unwrap() {
+        if b["partition"].as_i64().unwrap() as i32 == gone && b["first_offset"] == json["batches"][0]["first_offset"] {
+            assert!(b["records_missing"].as_str().unwrap().contains("retention deleted them"), "{b}");
+            assert!(b.get("records").is_none(), "{b}");
+        } else {
+            read += b["records"].as_array().unwrap().iter().filter(|r| r["counted"] == true).count() as u64;
+            assert!(b.get("records_missing").is_none(), "{b}");
+        }
+    }
+    assert_eq!(json["records_counted"], read, "{json}");
 }

@@ -227,6 +227,19 @@ impl TestEnv {
         .await
     }
 
+    /// Deletes the records of `partition` below `before`, as retention would.
+    pub async fn delete_records_before(&self, partition: i32, before: i64) {
+        use rdkafka::admin::{AdminClient, AdminOptions};
+        let admin: AdminClient<rdkafka::client::DefaultClientContext> =
+            rdkafka::ClientConfig::new().set("bootstrap.servers", &self.brokers).create().unwrap();
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(before)).unwrap();
+        let deleted = admin.delete_records(&tpl, &AdminOptions::new()).await.expect("delete records");
+        for e in deleted.elements() {
+            assert!(e.error().is_ok(), "deleting records of partition {partition}: {:?}", e.error());
+        }
+    }
+
     /// Partition → high watermark of the topic.
     pub async fn high_watermarks(&self) -> BTreeMap<i32, i64> {
         let (brokers, topic) = (self.brokers.clone(), self.topic.clone());
