@@ -33,6 +33,7 @@
 pub mod aggregate;
 pub mod cache;
 pub mod click;
+pub mod close;
 pub mod commands;
 pub mod config;
 pub mod dead_letter;

@@ -12,6 +12,7 @@ use clap::{Args, ValueEnum};
 
 use crate::aggregate::Grain;
 use crate::config::Settings;
+use crate::sealing::period::{parse_period, Period, PeriodKind};
 use crate::sink::billing::{billing_sql, check, unsealed, BillingRequest};
 pub use crate::sink::billing::{BillingRow, BILLING_SQL, BILLING_TOP_SQL};
 use crate::sink::Sink;
@@ -64,11 +65,19 @@ pub enum Format {
 #[derive(Debug, Args, Clone)]
 pub struct QueryArgs {
     /// Start of the range, inclusive: RFC 3339 (2026-11-30T08:00:00Z) or a UTC date (2026-11-30).
-    #[arg(long, value_parser = parse_time)]
-    pub from: DateTime<Utc>,
+    #[arg(long, value_parser = parse_time, required_unless_present = "period", conflicts_with = "period")]
+    pub from: Option<DateTime<Utc>>,
     /// End of the range, exclusive: RFC 3339 or a UTC date.
-    #[arg(long, value_parser = parse_time)]
-    pub to: DateTime<Utc>,
+    #[arg(long, value_parser = parse_time, required_unless_present = "period", conflicts_with = "period")]
+    pub to: Option<DateTime<Utc>>,
+    /// The range of one billing period instead of --from/--to: a UTC day (2026-11-30)
+    /// or month (2026-11).
+    #[arg(long, value_name = "DAY|MONTH", value_parser = parse_billing_period)]
+    pub period: Option<Period>,
+    /// With --period: the period's close, its adjustments and the current counts side
+    /// by side, per ad (README, "Billing periods and disputes").
+    #[arg(long, requires = "period")]
+    pub with_adjustments: bool,
     /// Only this ad; repeat for several. Default: every ad.
     #[arg(long = "ad", value_name = "ID")]
     pub ads: Vec<u64>,
@@ -109,11 +118,22 @@ fn epoch_seconds(t: DateTime<Utc>, flag: &str) -> Result<u32> {
         .map_err(|_| anyhow!("--{flag} {t} is outside what ClickHouse DateTime holds (1970..2106)"))
 }
 
+/// A day (`2026-11-30`) or a month (`2026-11`), for `--period`.
+pub fn parse_billing_period(s: &str) -> Result<Period, String> {
+    let kind = if s.len() == "2026-11".len() { PeriodKind::Month } else { PeriodKind::Day };
+    parse_period(kind, s)
+}
+
 /// What `args` asks of the billing read.
 pub fn request(args: &QueryArgs) -> Result<BillingRequest> {
+    let (from, to) = match (args.period, args.from, args.to) {
+        (Some(p), _, _) => (p.start, p.end()),
+        (None, Some(from), Some(to)) => (epoch_seconds(from, "from")?, epoch_seconds(to, "to")?),
+        _ => anyhow::bail!("--from and --to, or --period, say which range to read"),
+    };
     Ok(BillingRequest {
-        from: epoch_seconds(args.from, "from")?,
-        to: epoch_seconds(args.to, "to")?,
+        from,
+        to,
         by: args.by.grain(),
         ads: args.ads.clone(),
         topic: args.only_topic.clone(),
@@ -190,6 +210,17 @@ pub async fn run(settings: &Settings, args: &QueryArgs) -> Result<ExitCode> {
     let request = request(args)?;
     check(&request).map_err(anyhow::Error::msg)?;
     let sink = Sink::new(&settings.clickhouse).with_seal_slack(settings.seal.slack);
+    if let (Some(period), true) = (args.period, args.with_adjustments) {
+        let topic = args.only_topic.as_deref().unwrap_or(&settings.kafka.topic);
+        let view = crate::close::PeriodView::read(&sink, topic, period, &args.ads)
+            .await
+            .with_context(|| format!("reading the close and adjustments in database {}", sink.database()))?;
+        match args.format {
+            Format::Json => println!("{}", serde_json::to_string(&view).expect("a view serializes")),
+            _ => print!("{}", view.table()),
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if args.print_sql {
         let text = sink
             .billing_sql(&request)
@@ -210,8 +241,10 @@ mod tests {
 
     fn args(from: &str, to: &str) -> QueryArgs {
         QueryArgs {
-            from: parse_time(from).unwrap(),
-            to: parse_time(to).unwrap(),
+            from: Some(parse_time(from).unwrap()),
+            to: Some(parse_time(to).unwrap()),
+            period: None,
+            with_adjustments: false,
             ads: Vec::new(),
             by: By::Minute,
             top: None,

@@ -81,6 +81,7 @@ pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
 pub const SEALS: &str = "clickagg_seals_total";
 /// Sealed hours and days sealed again because their minute rows changed, per `grain`.
 pub const RESEALS: &str = "clickagg_reseals_total";
+pub const ADJUSTMENTS: &str = "clickagg_adjustments_total";
 /// How far behind the server's clock the end of the newest sealed hour is (every
 /// member reports it, whichever holds the sealer's lease).
 pub const SEAL_LAG: &str = "clickagg_seal_lag_seconds";
@@ -142,6 +143,11 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (POLL_BATCH_RECORDS, Kind::Histogram, "Records per poll batch the loop takes in."),
     (SEALS, Kind::Counter, "Hours and days sealed for the first time, by grain (hour, day)."),
     (RESEALS, Kind::Counter, "Sealed hours and days sealed again because their minute rows changed, by grain."),
+    (
+        ADJUSTMENTS,
+        Kind::Counter,
+        "Adjustments written to closed billing periods (a closed period's counts changed after its close).",
+    ),
     (SEAL_LAG, Kind::Gauge, "Seconds the end of the newest sealed hour lies behind the server's clock."),
     (SEAL_ERRORS, Kind::Counter, "Sealing rounds that failed (and were tried again)."),
     (BUILD_INFO, Kind::Gauge, "Always 1; the labels say which clickagg runs: version, git_sha and rustc where known."),
@@ -234,6 +240,7 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         SEAL_ERRORS,
         SCHEMA_REGISTRY_ERRORS,
         SCHEMAS_FETCHED,
+        ADJUSTMENTS,
     ] {
         metrics::counter!(name).absolute(0);
     }

@@ -37,6 +37,10 @@ pub enum Command {
     /// The batches (partition, offset range, writer) whose rows make up the count of one
     /// ad in one minute.
     Explain(crate::explain::ExplainArgs),
+    /// Freeze the billing totals of a day or month once it is sealed; later changes to
+    /// it become adjustments (README, "Billing periods and disputes"). Exit 4 when the
+    /// period is not sealed yet.
+    Close(crate::close::CloseArgs),
     /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
     Replay(crate::replay::ReplayArgs),
     /// Recount distinct clicks from the topic for a time range and diff against ClickHouse;

@@ -44,6 +44,7 @@ pub async fn dispatch(command: Command, settings: Settings) -> Result<ExitCode> 
         Command::Verify(args) => verify(&settings, args).await,
         Command::Query(args) => crate::query::run(&settings, &args).await,
         Command::Explain(args) => crate::explain::run(&settings, &args).await,
+        Command::Close(args) => crate::close::run(&settings, &args).await,
         Command::Replay(args) => replay(&settings, args).await,
         Command::Reconcile(args) => reconcile(&settings, args).await,
         Command::Seal(args) => seal(&settings, args).await,

@@ -82,6 +82,7 @@
 //! through a time of their choosing). Nothing above depends on the lease: it only
 //! keeps members from doing the same work twice.
 
+pub mod adjust;
 pub mod check;
 pub mod due;
 pub mod lease;

@@ -70,6 +70,8 @@ pub struct Report {
     pub days_resealed: u64,
     /// Sealed ones computed again and found unchanged.
     pub hours_unchanged: u64,
+    /// Adjustments written to closed billing periods.
+    pub adjustments: u64,
     /// The first hour not sealed after the round (`None`: no minute rows yet).
     pub frontier: Option<u32>,
     /// The first hour not due (`None`: none is).
@@ -80,9 +82,13 @@ impl Report {
     pub fn summary(&self) -> String {
         let at =
             |t: Option<u32>| t.map_or("-".to_string(), |t| crate::click::Minute::from_epoch_seconds(t).to_rfc3339());
+        let adjusted = match self.adjustments {
+            0 => String::new(),
+            n => format!("; {n} adjustments of closed billing periods written"),
+        };
         format!(
             "sealed {} hours and {} days; re-sealed {} hours and {} days ({} hours unchanged); \
-             sealed through {} (due through {})",
+             sealed through {} (due through {}){adjusted}",
             self.hours_sealed,
             self.days_sealed,
             self.hours_resealed,
@@ -181,6 +187,9 @@ impl Sealer {
         for day in complete_days(reseal, frontier) {
             self.seal_day(day, &mut report).await?;
         }
+        // Closed periods whose rows changed, or that were closed, since the last round.
+        let since = progress.scanned_from.saturating_sub(self.slack);
+        report.adjustments = super::adjust::detect(&self.sink, &self.topic, &touched, since, self.slack).await?;
         self.sink
             .record_seal_progress(&self.topic, Progress { frontier: Some(frontier), scanned_from: started })
             .await?;

@@ -1,8 +1,10 @@
 //! Sealed hours' pure parts: when an hour is due and how a seal is versioned
-//! ([`plan`]), and how a billing read splits into sealed days, sealed hours and minute
-//! rows ([`split`]). No I/O: `sink` writes and reads what they decide, and `seal`, a
+//! ([`plan`]), how a billing read splits into sealed days, sealed hours and minute
+//! rows ([`split`]), and billing periods: their bounds, closes and adjustments
+//! ([`period`]). No I/O: `sink` writes and reads what they decide, and `seal`, a
 //! layer above both, runs the rounds (the argument for exactness is in `seal`'s docs).
 
+pub mod period;
 pub mod plan;
 pub mod split;
 

@@ -1,7 +1,8 @@
 //! The ClickHouse sink: a handle on one database ([`Sink`]) and what clickagg asks of
 //! it, one file each — the error classes (`error`), the tables and their cluster
 //! form (`schema`), the writes of a flush (`write`), the reads (`read`), the
-//! per-topic registries (`registry`), and the sealer's reads and writes (`seal`).
+//! per-topic registries (`registry`), the sealer's reads and writes (`seal`), and
+//! closed billing periods with their adjustments (`periods`).
 //!
 //! The client is configured for every server the project supports: no compression
 //! (the Debian 18.16 server's HTTP handler fails on the crate's LZ4 frames and the
@@ -12,6 +13,7 @@
 
 pub mod billing;
 mod error;
+pub mod periods;
 pub mod read;
 mod registry;
 mod schema;
@@ -39,6 +41,10 @@ pub const SEALED_DAY: &str = "ad_clicks_sealed_day";
 pub const SEALS: &str = "clickagg_seals";
 pub const TOUCHED: &str = "clickagg_touched";
 pub const SEAL_PROGRESS: &str = "clickagg_seal_progress";
+/// Closed billing periods: their totals, their records, and adjustments (`sql/009`).
+pub const CLOSED: &str = "clickagg_closed";
+pub const CLOSES: &str = "clickagg_closes";
+pub const ADJUSTMENTS: &str = "clickagg_adjustments";
 
 /// Who writes a row. Rows of a live member outrank a replay's at the same offset: a
 /// replay that read a cross-partition copy before any member did counted it by its own
@@ -209,13 +215,17 @@ mod tests {
 
     #[test]
     fn the_sealed_hours_migration_creates_every_sealed_table() {
-        let (name, sql) = MIGRATIONS.last().unwrap();
-        assert_eq!(*name, "008_sealed_hours.sql");
-        let created: Vec<String> = schema::statements(sql)
-            .iter()
-            .map(|s| s.trim_start_matches("CREATE TABLE IF NOT EXISTS ").split_whitespace().next().unwrap().to_string())
-            .collect();
-        assert_eq!(created, [SEALED_HOUR, SEALED_DAY, SEALS, TOUCHED, SEAL_PROGRESS]);
+        let created = |file: &str| -> Vec<String> {
+            let (_, sql) = MIGRATIONS.iter().find(|(name, _)| *name == file).unwrap();
+            schema::statements(sql)
+                .iter()
+                .map(|s| {
+                    s.trim_start_matches("CREATE TABLE IF NOT EXISTS ").split_whitespace().next().unwrap().to_string()
+                })
+                .collect()
+        };
+        assert_eq!(created("008_sealed_hours.sql"), [SEALED_HOUR, SEALED_DAY, SEALS, TOUCHED, SEAL_PROGRESS]);
+        assert_eq!(created("009_billing_periods.sql"), [CLOSED, CLOSES, ADJUSTMENTS]);
     }
 
     #[test]

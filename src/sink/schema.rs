@@ -7,7 +7,8 @@
 //! until an operator drops them (README, "Sealed hours").
 
 use super::{
-    quote_ident, quote_literal, Sink, SinkError, SEALED_DAY, SEALED_HOUR, SEALS, SEAL_PROGRESS, TABLE, TOUCHED,
+    quote_ident, quote_literal, Sink, SinkError, ADJUSTMENTS, CLOSED, CLOSES, SEALED_DAY, SEALED_HOUR, SEALS,
+    SEAL_PROGRESS, TABLE, TOUCHED,
 };
 
 /// The DDL in `sql/`, applied in order by `clickagg migrate`.
@@ -18,6 +19,7 @@ pub const MIGRATIONS: &[(&str, &str)] = &[
     ("006_clickagg_clocks.sql", include_str!("../../sql/006_clickagg_clocks.sql")),
     ("007_clickagg_settings.sql", include_str!("../../sql/007_clickagg_settings.sql")),
     ("008_sealed_hours.sql", include_str!("../../sql/008_sealed_hours.sql")),
+    ("009_billing_periods.sql", include_str!("../../sql/009_billing_periods.sql")),
 ];
 
 /// On a ClickHouse cluster, how the rows of each table the migrations create are spread
@@ -39,6 +41,9 @@ pub const SHARDING: &[(&str, &str)] = &[
     (SEALS, "cityHash64(topic)"),
     (TOUCHED, "cityHash64(topic)"),
     (SEAL_PROGRESS, "cityHash64(topic)"),
+    (CLOSED, "cityHash64(topic)"),
+    (CLOSES, "cityHash64(topic)"),
+    (ADJUSTMENTS, "cityHash64(topic)"),
 ];
 
 impl Sink {
@@ -169,7 +174,10 @@ mod tests {
                 "`db`.ad_clicks_sealed_day",
                 "`db`.clickagg_seals",
                 "`db`.clickagg_touched",
-                "`db`.clickagg_seal_progress"
+                "`db`.clickagg_seal_progress",
+                "`db`.clickagg_closed",
+                "`db`.clickagg_closes",
+                "`db`.clickagg_adjustments"
             ]
         );
         for table in [TABLE, SEALED_HOUR, SEALED_DAY] {

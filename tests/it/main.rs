@@ -13,6 +13,7 @@ mod faults;
 mod formats;
 mod helpers;
 mod operability;
+mod periods;
 mod query;
 mod robustness;
 mod sealing;

@@ -54,8 +54,10 @@ async fn counted_by_a_sealing_member(label: &str, seed: u64) -> (TestEnv, Member
 async fn assert_query_exact(env: &TestEnv, truth: &BTreeMap<BucketKey, u64>, from: u32, to: u32) {
     for by in [By::Hour, By::Day] {
         let args = QueryArgs {
-            from: query::parse_time(&rfc3339(from)).unwrap(),
-            to: query::parse_time(&rfc3339(to)).unwrap(),
+            from: Some(query::parse_time(&rfc3339(from)).unwrap()),
+            to: Some(query::parse_time(&rfc3339(to)).unwrap()),
+            period: None,
+            with_adjustments: false,
             ads: vec![],
             by,
             top: None,

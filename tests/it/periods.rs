@@ -1,0 +1,267 @@
+//! Billing periods: a closed period's totals stay put through replays; later changes to
+//! its clicks become signed adjustments, exactly once through `kill -9` at every step
+//! of a close and of an adjustment; a close refuses a period that is not sealed unless
+//! forced, and a forced close turns the late clicks that follow into adjustments equal
+//! to them, per ad.
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::time::Duration;
+
+use clickagg::aggregate::BucketKey;
+use clickagg::click::Minute;
+use clickagg::produce::{self, Kind, Planned, Spec, Truth};
+
+use crate::helpers::{wait_until, TestEnv};
+
+const CONVERGE: Duration = Duration::from_secs(180);
+const DAY: u32 = 86_400;
+
+fn rfc3339(secs: u32) -> String {
+    Minute::from_epoch_seconds(secs).to_rfc3339()
+}
+
+fn date(day: u32) -> String {
+    rfc3339(day)[..10].to_string()
+}
+
+/// The start of the UTC day `days` before today.
+fn day_before_today(days: u32) -> u32 {
+    let now = chrono::Utc::now().timestamp() as u32;
+    now - now % DAY - days * DAY
+}
+
+/// `clickagg <args>`: exit code and standard output.
+fn run(env: &TestEnv, args: &[&str]) -> (i32, String, String) {
+    let out = env.command(args, &[]).stdin(Stdio::null()).output().expect("run clickagg");
+    let stdout = String::from_utf8(out.stdout).unwrap();
+    (out.status.code().unwrap_or(-1), stdout, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// `clickagg close --period day <day> --format json <extra>`, which must exit 0: its report.
+fn close_day(env: &TestEnv, day: u32, extra: &[&str]) -> serde_json::Value {
+    let d = date(day);
+    let mut args = vec!["close", "--period", "day", d.as_str(), "--format", "json"];
+    args.extend_from_slice(extra);
+    let (code, stdout, stderr) = run(env, &args);
+    assert_eq!(code, 0, "close {d}: {stdout}\n{stderr}");
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("close {d}: {e}: {stdout}"))
+}
+
+/// Per ad: closed total (`None`: not closed), sum of adjustments, current total.
+type Sides = BTreeMap<u64, (Option<u64>, i64, u64)>;
+
+/// `query --period <day> --with-adjustments --format json`: the view, and per ad its sides.
+fn period_view(env: &TestEnv, day: u32) -> (serde_json::Value, Sides) {
+    let d = date(day);
+    let (code, stdout, stderr) =
+        run(env, &["query", "--period", &d, "--with-adjustments", "--format", "json", "--only-topic", &env.topic]);
+    assert_eq!(code, 0, "query --period {d}: {stdout}\n{stderr}");
+    let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let ads = v["ads"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            let closed = a["closed"].as_u64();
+            (a["ad_id"].as_u64().unwrap(), (closed, a["adjusted"].as_i64().unwrap(), a["current"].as_u64().unwrap()))
+        })
+        .collect();
+    (v, ads)
+}
+
+/// Per ad, the truth's clicks in `[day, day + DAY)`.
+fn totals_of_day(truth: &BTreeMap<BucketKey, u64>, day: u32) -> BTreeMap<u64, u64> {
+    let mut out = BTreeMap::new();
+    for (k, c) in truth {
+        if (day..day + DAY).contains(&k.minute.epoch_seconds()) {
+            *out.entry(k.ad_id).or_default() += c;
+        }
+    }
+    out
+}
+
+/// A new click for `ad` stamped `event_s`, with `record_ms` as its Kafka timestamp, on
+/// partition 0.
+fn click(id: &str, ad: u64, event_s: u32, record_ms: i64) -> Planned {
+    Planned {
+        key: id.to_string(),
+        payload: serde_json::json!({ "click_id": id, "ad_id": ad, "ts": i64::from(event_s) * 1000 })
+            .to_string()
+            .into_bytes(),
+        timestamp_ms: record_ms,
+        kind: Kind::Click,
+        partition: Some(0),
+    }
+}
+
+/// `clickagg <args>` killed with SIGKILL at `step` (`CLICKAGG_TEST_STOP_AT`): it must die there.
+async fn killed_at(env: &TestEnv, args: &[&str], step: &str) {
+    let label = format!("killed-{}", step.replace(':', "-"));
+    let mut p = env.spawn(&label, args, &[("CLICKAGG_TEST_STOP_AT", step)]);
+    let code = p.wait(Duration::from_secs(120)).await;
+    assert_eq!(code, -1, "{label} was to die at {step}, exited {code}:\n{}", p.output());
+    assert!(p.output().contains("CLICKAGG_TEST_STOP_AT"), "{label}:\n{}", p.output());
+}
+
+/// Records over three hours of the day two days ago, counted by a replay; that day
+/// sealed through its end. The environment, the truth and the day.
+async fn a_counted_and_sealed_day(label: &str, seed: u64) -> (TestEnv, Truth, u32) {
+    let env = TestEnv::new(label).await;
+    let day = day_before_today(2);
+    let spec = Spec {
+        count: 20_000,
+        seed,
+        ads: 200,
+        start_ms: i64::from(day + 9 * 3600) * 1000,
+        span: Duration::from_secs(3 * 3600),
+        ..Spec::default()
+    };
+    let (records, truth) = produce::plan(&spec);
+    env.send(&records, 4, None).await;
+    let out = env.replay_to_end("replay", "earliest").await;
+    assert!(out.contains("replayed "), "{out}");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (code, stdout, stderr) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    (env, truth, day)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_day_stays_put_through_replays_and_a_late_click_is_adjusted_once_through_kills() {
+    let (env, mut truth, day) = a_counted_and_sealed_day("closeday", 61).await;
+    let want = totals_of_day(&truth.counts, day);
+    let d = date(day);
+
+    // A close killed at each of its steps, then completed: one close, of the truth.
+    for step in ["close:before-totals", "close:after-totals"] {
+        killed_at(&env, &["close", "--period", "day", &d], step).await;
+        let (_, ads) = period_view(&env, day);
+        assert!(ads.values().all(|a| a.0.is_none()), "a close killed at {step} closed nothing");
+    }
+    killed_at(&env, &["close", "--period", "day", &d], "close:after-record").await;
+    let closed = close_day(&env, day, &[]);
+    assert_eq!(closed["closed_now"], false, "the close killed after its record is complete: {closed}");
+    assert_eq!(closed["clicks"], want.values().sum::<u64>(), "{closed}");
+    assert_eq!(closed["ads"], want.len() as u64, "{closed}");
+    assert_eq!(closed["forced"], false);
+    assert_eq!(closed["positions"].as_object().unwrap().len(), 4, "a position per partition: {closed}");
+    let again = close_day(&env, day, &[]);
+    assert_eq!(again["close_id"], closed["close_id"], "closing twice reports the close");
+    assert_eq!(again["closed_at"], closed["closed_at"]);
+    let (_, ads) = period_view(&env, day);
+    let closed_totals: BTreeMap<u64, u64> = ads.iter().map(|(&ad, a)| (ad, a.0.unwrap())).collect();
+    assert_eq!(closed_totals, want, "the closed totals are the truth's");
+
+    // A replay with the table kept changes nothing: no adjustment, closed totals as they were.
+    env.replay_to_end("replay-again", "earliest").await;
+    let (code, out, _) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0);
+    assert!(!out.contains("adjustments"), "{out}");
+    let (_, ads) = period_view(&env, day);
+    assert!(ads.values().all(|&(closed, adjusted, current)| adjusted == 0 && closed == Some(current)), "{ads:?}");
+
+    // A late click into the closed day (its event an hour before its record time, which
+    // follows the topic's last records), counted by a replay: the sealer's next round
+    // adjusts its ad by +1, once, through kills before and after the adjustment's rows.
+    let ad = *want.keys().next().unwrap();
+    let event = day + 11 * 3600;
+    env.send(&[click("late-after-close", ad, event, i64::from(day + 12 * 3600 + 600) * 1000)], 4, None).await;
+    *truth.counts.entry(BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds(event) }).or_default() += 1;
+    env.replay_to_end("replay-late", "earliest").await;
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    for step in ["adjust:before-rows", "adjust:after-rows"] {
+        killed_at(&env, &["seal", "--through", &rfc3339(day + DAY)], step).await;
+    }
+    let (code, out, _) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0);
+    let (_, out2, _) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert!(!out2.contains("adjustments"), "nothing more to adjust: {out} / {out2}");
+    let (view, ads) = period_view(&env, day);
+    for (&a, &(closed, adjusted, current)) in &ads {
+        let want_adjusted = i64::from(a == ad);
+        assert_eq!(adjusted, want_adjusted, "ad {a}: {view}");
+        assert_eq!(closed, Some(want[&a]), "ad {a}: the closed total never changes");
+        assert_eq!(closed.unwrap() as i64 + adjusted, current as i64, "ad {a}");
+    }
+    let rows = view["ads"].as_array().unwrap().iter().find(|a| a["ad_id"] == ad).unwrap()["adjustments"].clone();
+    assert_eq!(rows.as_array().unwrap().len(), 1, "one adjustment, never two: {rows}");
+    assert_eq!(rows[0]["delta"], 1);
+    assert_eq!(rows[0]["seq"], 1);
+    let moved: Vec<String> = serde_json::from_str(rows[0]["batches"].as_str().unwrap()).unwrap();
+    assert!(moved.iter().any(|b| b.starts_with("0:")), "the batch of partition 0 that moved: {rows}");
+    let table = run(&env, &["query", "--period", &d, "--with-adjustments", "--only-topic", &env.topic]).1;
+    assert!(table.contains(&format!("day {d} of topic {}: closed at", env.topic)), "{table}");
+    assert!(table.lines().last().unwrap().starts_with("total"), "{table}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_day_closed_with_force_before_its_lateness_passed_is_adjusted_by_exactly_the_late_clicks() {
+    let mut env = TestEnv::new("closeforce").await;
+    // Hours fall due 48 hours after they end: yesterday is not sealed by the member
+    // (and the dedup window covers that lateness, as the settings require).
+    for (k, v) in [
+        ("CLICKAGG__VALIDATION__MAX_LATENESS", "48h"),
+        ("CLICKAGG__DEDUP__WINDOW", "50h"),
+        ("CLICKAGG__SEAL__INTERVAL", "1s"),
+    ] {
+        env.extra_env.push((k.into(), v.into()));
+    }
+    let day = day_before_today(1);
+    let spec = Spec {
+        count: 10_000,
+        seed: 62,
+        ads: 100,
+        start_ms: i64::from(day + 20 * 3600) * 1000,
+        span: Duration::from_secs(2 * 3600),
+        ..Spec::default()
+    };
+    let (records, mut truth) = produce::plan(&spec);
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+
+    let d = date(day);
+    let (code, stdout, stderr) = run(&env, &["close", "--period", "day", &d]);
+    assert_eq!(code, 4, "a day not sealed is refused: {stdout}\n{stderr}");
+    assert!(stderr.contains("not sealed") && stderr.contains("--force"), "{stderr}");
+    let closed = close_day(&env, day, &["--force"]);
+    assert_eq!((closed["closed_now"].clone(), closed["forced"].clone()), (true.into(), true.into()), "{closed}");
+    let want = totals_of_day(&truth.counts, day);
+    assert_eq!(closed["clicks"], want.values().sum::<u64>());
+
+    // Late valid clicks into that day, stamped now (within max_lateness of their event
+    // time), on several ads; and one into the day before, which is not closed.
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let mut added: BTreeMap<u64, i64> = BTreeMap::new();
+    let mut late = Vec::new();
+    for i in 0..30u32 {
+        let ad = [3u64, 17, 42, 900_001][i as usize % 4];
+        let event = day + 23 * 3600 + 60 * (i % 50);
+        late.push(click(&format!("late-{i}"), ad, event, now_ms));
+        *added.entry(ad).or_default() += 1;
+        *truth.counts.entry(BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds(event) }).or_default() += 1;
+    }
+    late.push(click("late-other-day", 3, day - 3600, now_ms));
+    *truth.counts.entry(BucketKey { ad_id: 3, minute: Minute::from_epoch_seconds(day - 3600) }).or_default() += 1;
+    env.send(&late, 4, None).await;
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+
+    wait_until("the member's sealer adjusts the closed day", CONVERGE, || async {
+        let (_, ads) = period_view(&env, day);
+        let got: BTreeMap<u64, i64> = ads.iter().filter(|(_, a)| a.1 != 0).map(|(&ad, a)| (ad, a.1)).collect();
+        if got == added {
+            Ok(ads)
+        } else {
+            Err(format!("adjustments {got:?}, want {added:?}"))
+        }
+    })
+    .await;
+    let (_, ads) = period_view(&env, day);
+    for (ad, (closed, adjusted, current)) in ads {
+        assert_eq!(closed.unwrap_or(0), want.get(&ad).copied().unwrap_or(0), "ad {ad}: closed totals never change");
+        assert_eq!(closed.unwrap_or(0) as i64 + adjusted, current as i64, "ad {ad}");
+    }
+    assert!(member.metric("clickagg_adjustments_total", &[]).await >= added.len() as f64);
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
