@@ -199,4 +199,127 @@ mod tests {
         }
         assert!(adjustments(&closed, &after, &current).is_empty());
     }
+
+    /// `clickagg_adjustments` as ClickHouse keeps it: per (ad, seq) the row of the
+    /// highest `detected_at`, the last inserted among equals.
+    #[derive(Default)]
+    struct Table(BTreeMap<(u64, u32), (u32, i64)>);
+
+    impl Table {
+        fn adjusted(&self) -> BTreeMap<u64, Adjusted> {
+            let mut out: BTreeMap<u64, Adjusted> = BTreeMap::new();
+            for (&(ad, seq), &(at, delta)) in &self.0 {
+                let a = out.entry(ad).or_default();
+                a.sum += delta;
+                a.last_seq = a.last_seq.max(seq);
+                a.last_detected_at = a.last_detected_at.max(at);
+            }
+            out
+        }
+
+        fn insert(&mut self, found: &[Adjustment], at: u32) {
+            for a in found {
+                let row = self.0.entry((a.ad_id, a.seq)).or_insert((at, a.delta));
+                if at >= row.0 {
+                    *row = (at, a.delta);
+                }
+            }
+        }
+    }
+
+    /// One sealing round's detection: its time, then the adjustments, then the totals
+    /// (`seal::adjust::detect_period` reads in this order), then its write.
+    #[derive(Debug, Clone)]
+    enum Step {
+        /// The period's clicks of an ad change (a late click, a replay after a fix).
+        Change { ad: u64, delta: i64 },
+        /// A detection that writes, or is killed before writing.
+        Detect { killed: bool },
+        /// Two detections at once (two sealers): A takes its time and reads the
+        /// adjustments, B does all its reads, the clicks may change, A reads the totals,
+        /// and they write in either order.
+        Race { change: Option<(u64, i64)>, b_writes_first: bool, same_second: bool },
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (0u64..4, -3i64..4).prop_map(|(ad, delta)| Step::Change { ad, delta }),
+            any::<bool>().prop_map(|killed| Step::Detect { killed }),
+            (proptest::option::of((0u64..4, -3i64..4)), any::<bool>(), any::<bool>())
+                .prop_map(|(change, b_writes_first, same_second)| Step::Race { change, b_writes_first, same_second }),
+        ]
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// A detection that completes leaves closed + adjustments equal to the totals it
+        /// read; two at once that read the same totals write the change once; whatever
+        /// the kills and races, one round after the last change leaves them equal to the
+        /// current totals. (A race whose later reader loses the key is repaired by that
+        /// next round: the change's marker names the period.)
+        #[test]
+        fn closed_plus_adjustments_reach_the_current_totals_after_one_round_past_the_last_change(
+            steps in prop::collection::vec(step(), 0..40),
+        ) {
+            let closed: BTreeMap<u64, u64> = [(0, 5), (1, 3), (2, 8)].into();
+            let mut current = closed.clone();
+            let change = |current: &mut BTreeMap<u64, u64>, ad: u64, delta: i64| {
+                let c = current.entry(ad).or_default();
+                *c = (*c as i64 + delta).max(0) as u64;
+                current.retain(|_, c| *c > 0);
+            };
+            let mut table = Table::default();
+            let mut now = 0u32;
+            for s in steps {
+                match s {
+                    Step::Change { ad, delta } => change(&mut current, ad, delta),
+                    Step::Detect { killed } => {
+                        now += 1;
+                        let found = adjustments(&closed, &table.adjusted(), &current);
+                        if !killed {
+                            table.insert(&found, now);
+                            // A detection that read the current state leaves it exact.
+                            prop_assert!(adjustments(&closed, &table.adjusted(), &current).is_empty());
+                        }
+                    }
+                    Step::Race { change: between, b_writes_first, same_second } => {
+                        now += 1;
+                        let a_at = now;
+                        let a_adjusted = table.adjusted();
+                        if !same_second {
+                            now += 1;
+                        }
+                        let b = adjustments(&closed, &table.adjusted(), &current);
+                        if let Some((ad, delta)) = between {
+                            change(&mut current, ad, delta);
+                        }
+                        let a = adjustments(&closed, &a_adjusted, &current);
+                        if b_writes_first {
+                            table.insert(&b, now);
+                            table.insert(&a, a_at);
+                        } else {
+                            table.insert(&a, a_at);
+                            table.insert(&b, now);
+                        }
+                        if between.is_none() {
+                            // Two sealers that read the same clicks write one adjustment
+                            // between them, never the change twice.
+                            prop_assert!(adjustments(&closed, &table.adjusted(), &current).is_empty());
+                        }
+                    }
+                }
+            }
+            now += 1;
+            let last = adjustments(&closed, &table.adjusted(), &current);
+            table.insert(&last, now);
+            let adjusted = table.adjusted();
+            let ads: std::collections::BTreeSet<u64> = closed.keys().chain(current.keys()).copied().collect();
+            for ad in ads {
+                let billed = closed.get(&ad).copied().unwrap_or(0) as i64 + adjusted.get(&ad).map_or(0, |a| a.sum);
+                prop_assert_eq!(billed, current.get(&ad).copied().unwrap_or(0) as i64, "ad {}", ad);
+            }
+            prop_assert!(adjustments(&closed, &adjusted, &current).is_empty());
+        }
+    }
 }
