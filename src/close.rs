@@ -23,7 +23,7 @@ use crate::click::rfc3339;
 use crate::config::Settings;
 use crate::sealing::period::{close_id, parse_period, Period, PeriodKind};
 use crate::sealing::stop_point;
-use crate::sink::periods::{AdjustmentRow, Close, CloseRecord};
+use crate::sink::periods::{AdjustmentRow, Close};
 use crate::sink::{Sink, SinkError};
 
 /// Exit code of a close refused because the period is not sealed (README, "Exit codes").
@@ -104,21 +104,31 @@ impl Closed {
     }
 }
 
+/// Why a period may not be closed now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub why: String,
+    /// Whether `--force` overrides it (a period not sealed whole; never one still running).
+    pub forceable: bool,
+}
+
 /// Why a period may not be closed yet, or `None` when the sealer has sealed all of it.
-pub fn not_sealed(period: Period, frontier: Option<u32>, now: u32) -> Option<String> {
+pub fn not_sealed(period: Period, frontier: Option<u32>, now: u32) -> Option<Refusal> {
+    let sealing = |why: String| Some(Refusal { why, forceable: true });
     if period.end() > now {
-        return Some(format!("it has not ended yet (it ends at {})", rfc3339(period.end())));
+        let why = format!("it has not ended yet (it ends at {})", rfc3339(period.end()));
+        return Some(Refusal { why, forceable: false });
     }
     match frontier {
         Some(f) if f >= period.end() => None,
-        Some(f) => Some(format!(
+        Some(f) => sealing(format!(
             "it is not sealed: hours are sealed through {}, the period ends at {}. An hour is sealed once every \
              partition's committed position has passed its end plus validation.max_lateness; a partition has not \
              passed it yet, or lateness could still add to it",
             rfc3339(f),
             rfc3339(period.end())
         )),
-        None => Some("it is not sealed: the sealer has sealed nothing of this topic yet".into()),
+        None => sealing("it is not sealed: the sealer has sealed nothing of this topic yet".into()),
     }
 }
 
@@ -136,9 +146,9 @@ pub async fn run(s: &Settings, args: &CloseArgs) -> Result<ExitCode> {
     }
     let computed_at = sink.server_now().await?;
     let progress = sink.seal_progress(topic).await?;
-    if let Some(why) = not_sealed(period, progress.frontier, computed_at) {
-        if period.end() > computed_at || !args.force {
-            let hint = if period.end() > computed_at { "" } else { "; --force closes it anyway" };
+    if let Some(Refusal { why, forceable }) = not_sealed(period, progress.frontier, computed_at) {
+        if !(forceable && args.force) {
+            let hint = if forceable { "; --force closes it anyway" } else { "" };
             eprintln!("not closing {} {} of topic {topic}: {why}{hint}", period.kind.word(), period.label());
             return Ok(ExitCode::from(EXIT_NOT_SEALED));
         }
@@ -150,8 +160,7 @@ pub async fn run(s: &Settings, args: &CloseArgs) -> Result<ExitCode> {
     stop_point("close:before-totals");
     sink.insert_closed(topic, period, id, &totals).await.context("writing the closed totals")?;
     stop_point("close:after-totals");
-    let record = CloseRecord {
-        topic: topic.to_string(),
+    let record = Close {
         period: period.kind.word().to_string(),
         start: period.start,
         close_id: id,
@@ -160,8 +169,9 @@ pub async fn run(s: &Settings, args: &CloseArgs) -> Result<ExitCode> {
         positions,
         forced: u8::from(args.force),
         computed_at,
+        closed_at: 0,
     };
-    sink.insert_close_record(&record).await.context("writing the close record")?;
+    sink.insert_close_record(topic, &record).await.context("writing the close record")?;
     stop_point("close:after-record");
     // Another close may have been recorded first: the first one stands, and is reported.
     let stands = sink.close_of(topic, period).await?.context("the close record just written is not readable")?;
@@ -305,9 +315,9 @@ mod tests {
         let end = day.end();
         assert_eq!(not_sealed(day, Some(end), end + 1), None);
         assert_eq!(not_sealed(day, Some(end + 7_200), end + 99_999), None);
-        let why = not_sealed(day, Some(end - 3_600), end + 1).unwrap();
+        let why = not_sealed(day, Some(end - 3_600), end + 1).unwrap().why;
         assert!(why.contains("sealed through 2026-11-30T23:00:00Z") && why.contains("max_lateness"), "{why}");
-        assert!(not_sealed(day, None, end + 1).unwrap().contains("sealed nothing"));
-        assert!(not_sealed(day, Some(end), end - 1).unwrap().contains("has not ended"));
+        assert!(not_sealed(day, None, end + 1).unwrap().why.contains("sealed nothing"));
+        assert!(not_sealed(day, Some(end), end - 1).unwrap().why.contains("has not ended"));
     }
 }

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use super::stop_point;
 use crate::aggregate::Grain;
-use crate::sealing::period::{adjustments, Period};
+use crate::sealing::period::{adjusted_by_ad, adjustments, Period};
 use crate::sink::billing::BillingRequest;
 use crate::sink::periods::Close;
 use crate::sink::{Sink, SinkError};
@@ -53,6 +53,9 @@ pub async fn detect(
     since: u32,
     slack: u32,
 ) -> Result<u64, SinkError> {
+    // Billing reads take an hour from its minute rows while a marker is within the
+    // sealer's slack of its seal, as `query` does.
+    let sink = &sink.clone().with_seal_slack(std::time::Duration::from_secs(u64::from(slack)));
     let mut written = 0;
     for close in sink.closes(topic).await? {
         let Some(period) = close.period() else { continue };
@@ -64,31 +67,33 @@ pub async fn detect(
 }
 
 /// One period's detection: returns how many adjustments it wrote.
-pub async fn detect_period(
-    sink: &Sink,
-    topic: &str,
-    close: &Close,
-    period: Period,
-    slack: u32,
-) -> Result<u64, SinkError> {
-    // Billing reads take an hour from its minute rows while a marker is within the
-    // sealer's slack of its seal, as `query` does.
-    let sink = &sink.clone().with_seal_slack(std::time::Duration::from_secs(u64::from(slack)));
+async fn detect_period(sink: &Sink, topic: &str, close: &Close, period: Period, slack: u32) -> Result<u64, SinkError> {
     // The time first: every read below is at least this new.
     let detected_at = sink.server_now().await?;
     let closed = sink.closed_totals(topic, close).await?;
-    let adjusted = sink.adjusted(topic, period).await?;
+    let stored = sink.adjustments_of(topic, period).await?;
+    let adjusted = adjusted_by_ad(stored.iter().map(|a| (a.ad_id, a.seq, a.delta, a.detected_at)));
     let current = current_totals(sink, topic, period).await?;
     let found = adjustments(&closed, &adjusted, &current);
     if found.is_empty() {
         return Ok(0);
     }
-    let mut rows = Vec::with_capacity(found.len());
-    for a in found {
-        let last = adjusted.get(&a.ad_id).map_or(close.computed_at, |d| d.last_detected_at);
-        let moved = sink.batches_written_since(topic, a.ad_id, period, last.saturating_sub(slack)).await?;
-        rows.push((a, serde_json::to_string(&moved).expect("strings serialize")));
-    }
+    // Since the ad's last look (its last adjustment, or the close's read).
+    let since: BTreeMap<u64, u32> = found
+        .iter()
+        .map(|a| {
+            let last = adjusted.get(&a.ad_id).map_or(close.computed_at, |d| d.last_detected_at);
+            (a.ad_id, last.saturating_sub(slack))
+        })
+        .collect();
+    let mut moved = sink.batches_written_since(topic, period, &since).await?;
+    let rows: Vec<_> = found
+        .into_iter()
+        .map(|a| {
+            let batches = moved.remove(&a.ad_id).unwrap_or_default();
+            (a, serde_json::to_string(&batches).expect("strings serialize"))
+        })
+        .collect();
     stop_point("adjust:before-rows");
     sink.insert_adjustments(topic, period, &rows, detected_at).await?;
     stop_point("adjust:after-rows");

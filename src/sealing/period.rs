@@ -112,6 +112,18 @@ pub struct Adjusted {
     pub last_detected_at: u32,
 }
 
+/// Per ad, what stored adjustments `(ad, seq, delta, detected_at)` hold.
+pub fn adjusted_by_ad(rows: impl IntoIterator<Item = (u64, u32, i64, u32)>) -> BTreeMap<u64, Adjusted> {
+    let mut out: BTreeMap<u64, Adjusted> = BTreeMap::new();
+    for (ad, seq, delta, detected_at) in rows {
+        let a = out.entry(ad).or_default();
+        a.sum += delta;
+        a.last_seq = a.last_seq.max(seq);
+        a.last_detected_at = a.last_detected_at.max(detected_at);
+    }
+    out
+}
+
 /// One adjustment to write: the ad, its sequence number, the signed change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Adjustment {
@@ -207,14 +219,7 @@ mod tests {
 
     impl Table {
         fn adjusted(&self) -> BTreeMap<u64, Adjusted> {
-            let mut out: BTreeMap<u64, Adjusted> = BTreeMap::new();
-            for (&(ad, seq), &(at, delta)) in &self.0 {
-                let a = out.entry(ad).or_default();
-                a.sum += delta;
-                a.last_seq = a.last_seq.max(seq);
-                a.last_detected_at = a.last_detected_at.max(at);
-            }
-            out
+            adjusted_by_ad(self.0.iter().map(|(&(ad, seq), &(at, delta))| (ad, seq, delta, at)))
         }
 
         fn insert(&mut self, found: &[Adjustment], at: u32) {

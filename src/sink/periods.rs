@@ -7,12 +7,11 @@ use clickhouse::Row;
 use serde::{Deserialize, Serialize};
 
 use super::{Sink, SinkError, ADJUSTMENTS, CLOSED, CLOSES, TABLE};
-use crate::sealing::period::{Adjusted, Adjustment, Period, PeriodKind};
+use crate::sealing::period::{Adjustment, Period, PeriodKind};
 
-/// The record of one close.
-#[derive(Debug, Clone, PartialEq, Eq, Row, Serialize, Deserialize)]
-pub struct CloseRecord {
-    pub topic: String,
+/// The record of one close (`clickagg_closes`).
+#[derive(Debug, Clone, PartialEq, Eq, Row, Deserialize)]
+pub struct Close {
     pub period: String,
     pub start: u32,
     pub close_id: u64,
@@ -23,19 +22,7 @@ pub struct CloseRecord {
     pub forced: u8,
     /// Server time taken before the totals were read.
     pub computed_at: u32,
-}
-
-/// A close as stored, with when its record was written.
-#[derive(Debug, Clone, PartialEq, Eq, Row, Deserialize)]
-pub struct Close {
-    pub period: String,
-    pub start: u32,
-    pub close_id: u64,
-    pub ads: u64,
-    pub clicks: u64,
-    pub positions: String,
-    pub forced: u8,
-    pub computed_at: u32,
+    /// Server time the record was written (set by the server; not written from here).
     pub closed_at: u32,
 }
 
@@ -96,14 +83,9 @@ impl Sink {
         Ok(first.into_values().collect())
     }
 
-    /// The close of `period`, if it has one.
+    /// The close of `period`, if it has one (the one [`Sink::closes`] names).
     pub async fn close_of(&self, topic: &str, period: Period) -> Result<Option<Close>, SinkError> {
-        let sql = format!(
-            "SELECT {CLOSE_COLUMNS} FROM {CLOSES} WHERE topic = ? AND period = ? AND start = toDateTime(?, 'UTC') \
-             ORDER BY closed_at, close_id LIMIT 1"
-        );
-        let q = self.client.query(&sql).bind(topic).bind(period.kind.word()).bind(period.start);
-        Ok(self.timed(q.fetch_all::<Close>()).await?.into_iter().next())
+        Ok(self.closes(topic).await?.into_iter().find(|c| c.period() == Some(period)))
     }
 
     /// Writes a close's totals, all of them in one INSERT.
@@ -129,13 +111,15 @@ impl Sink {
         .await
     }
 
-    pub async fn insert_close_record(&self, record: &CloseRecord) -> Result<(), SinkError> {
-        self.timed(async {
-            let mut insert = self.client.insert::<CloseRecord>(CLOSES).await?;
-            insert.write(record).await?;
-            insert.end().await
-        })
-        .await
+    /// Writes the record of a close of `topic`; the server stamps `closed_at`.
+    pub async fn insert_close_record(&self, topic: &str, c: &Close) -> Result<(), SinkError> {
+        let sql = format!(
+            "INSERT INTO {CLOSES} (topic, period, start, close_id, ads, clicks, positions, forced, computed_at) \
+             VALUES (?, ?, toDateTime(?, 'UTC'), ?, ?, ?, ?, ?, toDateTime(?, 'UTC'))"
+        );
+        let q = self.client.query(&sql).bind(topic).bind(&c.period).bind(c.start).bind(c.close_id);
+        let q = q.bind(c.ads).bind(c.clicks).bind(&c.positions).bind(c.forced).bind(c.computed_at);
+        self.timed(q.execute()).await
     }
 
     /// The totals of one close.
@@ -147,20 +131,6 @@ impl Sink {
         let q = self.client.query(&sql).bind(topic).bind(&close.period).bind(close.start).bind(close.close_id);
         let rows: Vec<(u64, u64)> = self.timed(q.fetch_all()).await?;
         Ok(rows.into_iter().collect())
-    }
-
-    /// Per ad, what the adjustments of `period` hold so far.
-    pub async fn adjusted(&self, topic: &str, period: Period) -> Result<BTreeMap<u64, Adjusted>, SinkError> {
-        let sql = format!(
-            "SELECT ad_id, sum(delta), max(seq), toUInt32(max(detected_at)) FROM {ADJUSTMENTS} FINAL \
-             WHERE topic = ? AND period = ? AND start = toDateTime(?, 'UTC') GROUP BY ad_id"
-        );
-        let q = self.client.query(&sql).bind(topic).bind(period.kind.word()).bind(period.start);
-        let rows: Vec<(u64, i64, u32, u32)> = self.timed(q.fetch_all()).await?;
-        Ok(rows
-            .into_iter()
-            .map(|(ad, sum, last_seq, last_detected_at)| (ad, Adjusted { sum, last_seq, last_detected_at }))
-            .collect())
     }
 
     /// Every adjustment of `period`, by ad and sequence.
@@ -204,22 +174,32 @@ impl Sink {
         .await
     }
 
-    /// The batch rows (`partition:batch_start`) of `ad_id` in `period` written at or
-    /// after `since` (server time): which batches moved.
+    /// Per ad of `since`, the batch rows (`partition:batch_start`) of the ad in `period`
+    /// written at or after the ad's time there (server time): which batches moved. One
+    /// read for every ad (`since` is not empty).
     pub async fn batches_written_since(
         &self,
         topic: &str,
-        ad_id: u64,
         period: Period,
-        since: u32,
-    ) -> Result<Vec<String>, SinkError> {
+        since: &BTreeMap<u64, u32>,
+    ) -> Result<BTreeMap<u64, Vec<String>>, SinkError> {
         let sql = format!(
-            "SELECT DISTINCT partition, batch_start FROM {TABLE} \
-             WHERE ad_id = ? AND minute >= toDateTime(?, 'UTC') AND minute < toDateTime(?, 'UTC') \
-             AND topic = ? AND written_at >= toDateTime(?, 'UTC') ORDER BY partition, batch_start"
+            "SELECT ad_id, partition, batch_start, toUInt32(max(written_at)) FROM {TABLE} \
+             WHERE ad_id IN (SELECT arrayJoin(CAST(? AS Array(UInt64)))) \
+             AND minute >= toDateTime(?, 'UTC') AND minute < toDateTime(?, 'UTC') \
+             AND topic = ? AND written_at >= toDateTime(?, 'UTC') \
+             GROUP BY ad_id, partition, batch_start ORDER BY ad_id, partition, batch_start"
         );
-        let q = self.client.query(&sql).bind(ad_id).bind(period.start).bind(period.end()).bind(topic).bind(since);
-        let rows: Vec<(u32, u64)> = self.timed(q.fetch_all()).await?;
-        Ok(rows.into_iter().map(|(p, b)| format!("{p}:{b}")).collect())
+        let ads: Vec<u64> = since.keys().copied().collect();
+        let earliest = since.values().copied().min().unwrap_or(0);
+        let q = self.client.query(&sql).bind(ads).bind(period.start).bind(period.end()).bind(topic).bind(earliest);
+        let rows: Vec<(u64, u32, u64, u32)> = self.timed(q.fetch_all()).await?;
+        let mut moved: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+        for (ad, p, batch_start, written_at) in rows {
+            if since.get(&ad).is_some_and(|&t| written_at >= t) {
+                moved.entry(ad).or_default().push(format!("{p}:{batch_start}"));
+            }
+        }
+        Ok(moved)
     }
 }
