@@ -264,6 +264,7 @@ pub async fn run(s: &Settings, args: &ExplainArgs) -> Result<std::process::ExitC
 /// re-read of the hull of its batches' offsets per partition, decided as a replay
 /// decides, under the settings the topic records for those offsets.
 async fn read_records(s: &Settings, sink: &Sink, e: &mut Explanation, ad_id: u64, minute: Minute) -> Result<()> {
+    e.records_counted = Some(0);
     let topics: std::collections::BTreeSet<String> = e.batches.iter().map(|b| b.topic.clone()).collect();
     for topic in topics {
         let mut on = s.clone();
@@ -271,8 +272,8 @@ async fn read_records(s: &Settings, sink: &Sink, e: &mut Explanation, ad_id: u64
         let history = sink.rules_history(&topic).await.context("reading the recorded dedup settings")?;
         let consumer = source::lookup_consumer(&on.kafka)?;
         let mut lows = BTreeMap::new();
-        // Per settings version, the offsets to decide again.
-        let mut by_version: BTreeMap<u32, Ranges> = BTreeMap::new();
+        // Per settings version, the settings it decides under and the offsets to decide again.
+        let mut by_version: BTreeMap<u32, (Settings, Ranges)> = BTreeMap::new();
         for b in e.batches.iter_mut().filter(|b| b.topic == topic) {
             let p = b.partition as i32;
             let (first, last) = (b.first_offset as i64, b.last_offset);
@@ -287,24 +288,20 @@ async fn read_records(s: &Settings, sink: &Sink, e: &mut Explanation, ad_id: u64
                     Some(format!("retention deleted them (the partition starts at offset {} now)", lows[&p]));
                 continue;
             }
-            let version = history.at(p, first).map_or(1, |v| v.version);
-            let range = by_version.entry(version).or_default().partitions.entry(p).or_insert((first, last + 1));
+            let rules = history.at(p, first);
+            let (_, ranges) = by_version.entry(rules.map_or(1, |v| v.version)).or_insert_with(|| {
+                (rules.map_or_else(|| on.clone(), |v| crate::replay::settings_of(&on, &v.rules)), Ranges::default())
+            });
+            let range = ranges.partitions.entry(p).or_insert((first, last + 1));
             *range = (range.0.min(first), range.1.max(last + 1));
         }
         let (mut traced, mut ids) = (Vec::new(), ClickIds::new());
-        for (version, ranges) in by_version {
-            let under = match history.versions.iter().find(|v| v.version == version) {
-                Some(v) => crate::replay::settings_of(&on, &v.rules),
-                None => on.clone(),
-            };
+        for (under, ranges) in by_version.into_values() {
             let (more, more_ids) = crate::replay::trace(&under, sink, ranges, &lows).await?;
             traced.extend(more);
             ids.extend(more_ids);
         }
         e.add_records(ad_id, minute, &topic, &traced, &ids);
-    }
-    if e.records_counted.is_none() {
-        e.records_counted = Some(0);
     }
     Ok(())
 }
