@@ -68,9 +68,14 @@ pub struct Batch {
     /// from `first_offset` through here.
     pub last_offset: i64,
     pub clicks: u64,
-    /// `member` (a consumer of the group) or `replay`.
+    /// `member` (a consumer of the group), `replay`, or `supersede` (`replay
+    /// --supersede`, which outranks every earlier row of the batch).
     pub writer: &'static str,
-    /// The stored version (2 x `last_offset` + 1 for a member, + 0 for a replay).
+    /// For `supersede`: its generation (each superseding replay of a batch is one more).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    /// The stored version (2 x `last_offset` + 1 for a member, + 0 for a replay; for a
+    /// superseding replay 2 x (`last_offset` + generation x batch size)).
     pub version: u64,
     pub written_at: String,
     /// With `--records`: this ad's clicks of this minute among the batch's offsets, as
@@ -106,11 +111,13 @@ pub struct Explanation {
 }
 
 impl Explanation {
-    pub fn new(ad_id: u64, minute: Minute, rows: Vec<BatchOfCount>) -> Explanation {
+    /// `batch_offsets` is the topic's batch size, which reads a superseding replay's
+    /// versions back.
+    pub fn new(ad_id: u64, minute: Minute, batch_offsets: u64, rows: Vec<BatchOfCount>) -> Explanation {
         let batches: Vec<Batch> = rows
             .into_iter()
             .map(|r| {
-                let (last_offset, writer) = read_version(r.version);
+                let (last_offset, writer) = read_version(r.version, r.batch_start, batch_offsets);
                 Batch {
                     topic: r.topic,
                     partition: r.partition,
@@ -120,6 +127,11 @@ impl Explanation {
                     writer: match writer {
                         Writer::Member => "member",
                         Writer::Replay => "replay",
+                        Writer::Supersede { .. } => "supersede",
+                    },
+                    generation: match writer {
+                        Writer::Supersede { generation, .. } => Some(generation),
+                        _ => None,
                     },
                     version: r.version,
                     written_at: rfc3339(r.written_at),
@@ -174,13 +186,13 @@ impl Explanation {
         let topic_width = self.batches.iter().map(|b| b.topic.len()).max().unwrap_or(0).max(5);
         let _ = writeln!(
             out,
-            "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<6}  written at",
+            "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<9}  written at",
             "topic", "partition", "offsets", "clicks", "writer"
         );
         for b in &self.batches {
             let _ = writeln!(
                 out,
-                "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<6}  {}",
+                "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<9}  {}",
                 b.topic,
                 b.partition,
                 format!("{}..={}", b.first_offset, b.last_offset),
@@ -249,7 +261,7 @@ pub async fn run(s: &Settings, args: &ExplainArgs) -> Result<std::process::ExitC
         .batches_of(args.ad, minute.epoch_seconds(), args.only_topic.as_deref())
         .await
         .with_context(|| format!("reading the batch rows of the count in database {}", sink.database()))?;
-    let mut e = Explanation::new(args.ad, minute, rows);
+    let mut e = Explanation::new(args.ad, minute, s.batch_offsets().get(), rows);
     if args.records {
         read_records(s, &sink, &mut e, args.ad, minute).await?;
     }
@@ -317,17 +329,28 @@ mod tests {
     #[test]
     fn each_batch_reads_back_its_offset_range_and_writer_and_the_clicks_add_up() {
         let minute = Minute::from_epoch_seconds(1_796_083_200);
-        let e = Explanation::new(12, minute, vec![row(0, 1000, 3, 2 * 1999 + 1), row(3, 5000, 2, 2 * 5042)]);
-        assert_eq!(e.clicks, 5);
+        let e = Explanation::new(
+            12,
+            minute,
+            1000,
+            vec![row(0, 1000, 3, 2 * 1999 + 1), row(3, 5000, 2, 2 * 5042), row(3, 6000, 4, 2 * (6010 + 2 * 1000))],
+        );
+        assert_eq!(e.clicks, 9);
         assert_eq!((e.batches[0].first_offset, e.batches[0].last_offset, e.batches[0].writer), (1000, 1999, "member"));
         assert_eq!((e.batches[1].first_offset, e.batches[1].last_offset, e.batches[1].writer), (5000, 5042, "replay"));
+        // A superseding replay's row reads back as the offset it was cut at, generation 2.
+        let b = &e.batches[2];
+        assert_eq!((b.first_offset, b.last_offset, b.writer, b.generation), (6000, 6010, "supersede", Some(2)));
         let table = e.table();
-        assert!(table.starts_with("ad 12, minute 2026-12-01T00:00:00Z: 5 clicks from 2 batch rows\n"), "{table}");
+        assert!(table.starts_with("ad 12, minute 2026-12-01T00:00:00Z: 9 clicks from 3 batch rows\n"), "{table}");
         assert!(table.contains("1000..=1999") && table.contains("5000..=5042"), "{table}");
-        assert!(table.lines().last().unwrap().starts_with("total") && table.trim_end().ends_with(" 5"), "{table}");
+        assert!(table.contains("6000..=6010") && table.contains("supersede"), "{table}");
+        assert!(table.lines().last().unwrap().starts_with("total") && table.trim_end().ends_with(" 9"), "{table}");
         let json: serde_json::Value = serde_json::to_value(&e).unwrap();
         assert_eq!(json["batches"][1]["writer"], "replay");
-        assert_eq!(json["clicks"], 5);
+        assert_eq!(json["batches"][2]["generation"], 2);
+        assert!(json["batches"][1].get("generation").is_none());
+        assert_eq!(json["clicks"], 9);
     }
 
     #[test]
@@ -360,7 +383,7 @@ mod tests {
             .into_iter()
             .map(|(o, id)| ((0, o), id.to_string()))
             .collect();
-        let mut e = Explanation::new(12, minute, vec![row(0, 1000, 1, 2 * 1499 + 1)]);
+        let mut e = Explanation::new(12, minute, 1000, vec![row(0, 1000, 1, 2 * 1499 + 1)]);
         e.add_records(12, minute, "clicks", &traced, &ids);
         let records = e.batches[0].records.clone().unwrap();
         let listed: Vec<(i64, &str, bool)> =
@@ -379,7 +402,7 @@ mod tests {
 
     #[test]
     fn a_count_without_rows_says_so() {
-        let e = Explanation::new(7, Minute::from_epoch_seconds(60), vec![]);
+        let e = Explanation::new(7, Minute::from_epoch_seconds(60), 1000, vec![]);
         assert_eq!(e.table(), "ad 7, minute 1970-01-01T00:01:00Z: 0 clicks from 0 batch rows\n");
     }
 }

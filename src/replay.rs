@@ -50,6 +50,12 @@ pub struct ReplayArgs {
     /// Do not produce dead letters for rejected records (they are still counted).
     #[arg(long)]
     pub no_dead_letters: bool,
+    /// Rewrite the range so that its rows replace every row written before in its
+    /// batches, the members' included: to repair a wrong past count (README, "Repairing
+    /// a range"). Whole batches only, each already committed by the group; `--to` is
+    /// rounded up to the end of its batch.
+    #[arg(long)]
+    pub supersede: bool,
 }
 
 /// A start position as given on the command line.
@@ -167,6 +173,48 @@ pub fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Range
     Ok((counted, marks.iter().map(|(&p, m)| (p, m.low)).collect()))
 }
 
+/// The whole batches a superseding replay rewrites: `counted` (which starts at batch
+/// boundaries) with each end rounded up to the end of its batch. Refused, naming the
+/// partition, when a batch is not yet committed by the group: a member still writing it
+/// would lose its later rows to the supersede's. Pure, so it is tested alone.
+pub fn supersede_ranges(
+    n: BatchOffsets,
+    counted: &Ranges,
+    committed: &BTreeMap<i32, Option<i64>>,
+) -> std::result::Result<Ranges, String> {
+    let n = n.get() as i64;
+    let mut whole = Ranges::default();
+    for (&p, &(start, end)) in &counted.partitions {
+        if end <= start {
+            continue;
+        }
+        let end = (end + n - 1) / n * n;
+        match committed.get(&p).copied().flatten() {
+            Some(c) if c >= end => {
+                whole.partitions.insert(p, (start, end));
+            }
+            c => {
+                let at = c.map_or("nothing committed".to_string(), |c| format!("committed up to {c}"));
+                return Err(format!(
+                    "partition {p}: the batch [{}, {end}) is not finished by the group ({at}); --supersede \
+                     rewrites only batches the members are done with: give an earlier --to, or wait",
+                    end - n
+                ));
+            }
+        }
+    }
+    Ok(whole)
+}
+
+/// What a superseding replay did on top of a replay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Superseded {
+    /// The generation its rows were written at.
+    pub generation: u64,
+    /// The buckets of its batches it found no click for, written as zero.
+    pub zeroed: u64,
+}
+
 /// What a replay did.
 #[derive(Debug, Clone, Default)]
 pub struct Summary {
@@ -175,15 +223,23 @@ pub struct Summary {
     pub stats: BatchStats,
     pub rows_written: u64,
     pub elapsed: Duration,
+    pub superseded: Option<Superseded>,
 }
 
 impl Summary {
     pub fn report(&self) -> String {
         let secs = self.elapsed.as_secs_f64().max(1e-9);
         let s = &self.stats;
+        let superseded = self.superseded.map_or(String::new(), |x| {
+            format!(
+                "; superseded every earlier row of its batches (generation {}, {} buckets found empty and written \
+                 as 0)",
+                x.generation, x.zeroed
+            )
+        });
         format!(
             "replayed {} records in {:.1}s ({:.0} records/s): {} counted, {} duplicates ({} copies on other \
-             partitions), {} invalid; {} rows written; {} records read before the range to rebuild dedup state",
+             partitions), {} invalid; {} rows written; {} records read before the range to rebuild dedup state{}",
             s.records,
             secs,
             (s.records + s.warmup) as f64 / secs,
@@ -192,7 +248,8 @@ impl Summary {
             s.cross_partition,
             s.invalid,
             self.rows_written,
-            s.warmup
+            s.warmup,
+            superseded
         )
     }
 }
@@ -222,6 +279,24 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     .await?;
     let settings = s.clone();
     let (counted, lows) = tokio::task::spawn_blocking(move || counted_ranges(&settings, &from, to)).await??;
+    let (counted, writer) = if args.supersede {
+        let (k, group, topic) = (s.kafka.clone(), s.kafka.group.clone(), s.kafka.topic.clone());
+        let offsets = tokio::task::spawn_blocking(move || crate::seal::due::group_offsets(&k, &group, &topic))
+            .await?
+            .context("reading the group's committed offsets")?;
+        let committed = offsets.into_iter().map(|(p, (c, _, _))| (p, c)).collect();
+        let whole = supersede_ranges(s.batch_offsets(), &counted, &committed).map_err(anyhow::Error::msg)?;
+        let n = s.batch_offsets().get();
+        let generation =
+            crate::planner::until_done("reading the rows to supersede", s.pipeline.max_backoff, &shutdown, || async {
+                Ok(ch.next_supersede_generation(&s.kafka.topic, &whole.partitions, n).await?)
+            })
+            .await?;
+        info!(generation, ranges = ?whole.partitions, "superseding every earlier row of these batches");
+        (whole, Writer::Supersede { generation, batch_offsets: n })
+    } else {
+        (counted, Writer::Replay)
+    };
 
     let mut summary = Summary { ranges: counted.clone(), ..Summary::default() };
     for (i, version) in history.versions.iter().enumerate() {
@@ -249,15 +324,51 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
             info!(version = version.version, ranges = ?part.partitions, "replaying under the settings the topic records for these ranges");
         }
         let plan = plan_starts(&under, &sink, part, &lows).await?;
-        let done = run_plan(&under, &sink, plan, args, &shutdown).await?;
+        let done = run_plan(&under, &sink, plan, args, writer, &shutdown).await?;
         summary.stats.add(&done.stats);
         summary.rows_written += done.rows_written;
         if shutdown.is_cancelled() {
             break;
         }
     }
+    if let Writer::Supersede { generation, batch_offsets } = writer {
+        if !shutdown.is_cancelled() {
+            let zeroed = zero_what_was_not_superseded(s, &sink, &counted, generation, batch_offsets, &shutdown).await?;
+            summary.superseded = Some(Superseded { generation, zeroed });
+        }
+    }
     summary.elapsed = started.elapsed();
     Ok(summary)
+}
+
+/// After a superseding replay's rows are all written: the buckets of its batches that
+/// still hold only earlier rows had no click in the replay, so they are written as zero
+/// at its generation. Killed before (or during) this, the replay is run again: a new
+/// generation rewrites every batch and then zeroes what it did not write.
+async fn zero_what_was_not_superseded(
+    s: &Settings,
+    sink: &Sink,
+    ranges: &Ranges,
+    generation: u64,
+    batch_offsets: u64,
+    shutdown: &CancellationToken,
+) -> Result<u64> {
+    let topic = &s.kafka.topic;
+    let rows =
+        crate::planner::until_done("reading the rows not superseded", s.pipeline.max_backoff, shutdown, || async {
+            Ok(sink.buckets_not_superseded(topic, &ranges.partitions, batch_offsets, generation).await?)
+        })
+        .await?;
+    crate::sealing::stop_point("supersede:before-zeros");
+    let writer = Writer::Supersede { generation, batch_offsets };
+    crate::planner::until_done("writing the buckets found empty", s.pipeline.max_backoff, shutdown, || async {
+        Ok(sink.insert(topic, &rows, writer).await?)
+    })
+    .await?;
+    if !rows.is_empty() {
+        info!(buckets = rows.len(), generation, "buckets of the superseded batches with no click written as 0");
+    }
+    Ok(rows.len() as u64)
 }
 
 /// `s` with the window, validation limits and reading of recorded `rules` (the fingerprint key
@@ -312,6 +423,7 @@ async fn run_plan(
     sink: &Sink,
     plan: Plan,
     args: &ReplayArgs,
+    writer: Writer,
     shutdown: &CancellationToken,
 ) -> Result<Summary> {
     let Plan { starts, counted: ranges, read } = plan;
@@ -331,7 +443,7 @@ async fn run_plan(
     let flusher = Flusher::start(FlusherConfig {
         sink: sink.clone(),
         topic: s.kafka.topic.clone(),
-        writer: Writer::Replay,
+        writer,
         committer: None,
         dead_letters,
         cache: None,
@@ -378,7 +490,13 @@ async fn run_plan(
         bail!(message);
     }
     progress.finish();
-    Ok(Summary { ranges, stats: stages.totals, rows_written: flusher.rows_flushed(), elapsed: Duration::ZERO })
+    Ok(Summary {
+        ranges,
+        stats: stages.totals,
+        rows_written: flusher.rows_flushed(),
+        elapsed: Duration::ZERO,
+        superseded: None,
+    })
 }
 
 /// What a re-read decides for every record of `counted` (and of the warm-up before it),
@@ -503,6 +621,24 @@ mod tests {
         assert_eq!(r.partitions[&0], (0, 500));
         assert_eq!(r.partitions[&1], (100, 300));
         assert_eq!(r.records(), 700);
+    }
+
+    #[test]
+    fn a_supersede_rewrites_whole_batches_the_group_has_committed_and_nothing_else() {
+        let counted = Ranges { partitions: BTreeMap::from([(0, (1000, 2450)), (1, (300, 300)), (2, (0, 500))]) };
+        let committed = BTreeMap::from([(0, Some(2500)), (1, None), (2, Some(700))]);
+        let whole = supersede_ranges(n(100), &counted, &committed).unwrap();
+        // The end is rounded up to its batch's end; an empty range is left out.
+        assert_eq!(whole.partitions, BTreeMap::from([(0, (1000, 2500)), (2, (0, 500))]));
+        // A batch the group is still in is refused, naming it.
+        let behind = BTreeMap::from([(0, Some(2420)), (2, Some(700))]);
+        let why = supersede_ranges(n(100), &counted, &behind).unwrap_err();
+        assert!(
+            why.contains("partition 0") && why.contains("[2400, 2500)") && why.contains("committed up to 2420"),
+            "{why}"
+        );
+        let none = BTreeMap::from([(0, Some(2500)), (2, None)]);
+        assert!(supersede_ranges(n(100), &counted, &none).unwrap_err().contains("nothing committed"));
     }
 
     #[test]

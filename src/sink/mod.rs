@@ -18,6 +18,7 @@ pub mod read;
 mod registry;
 mod schema;
 pub mod seal;
+mod supersede;
 mod write;
 
 use std::time::Duration;
@@ -50,21 +51,51 @@ pub const ADJUSTMENTS: &str = "clickagg_adjustments";
 /// replay that read a cross-partition copy before any member did counted it by its own
 /// partition's rule, while the member that reads it decides (and pins) which copy
 /// counts. Everything else they decide alike, so the rank only settles that race.
+///
+/// A superseding replay (`replay --supersede`) outranks every row written before it in
+/// the batches it rewrites: its rows are stored as if cut `generation` whole batches
+/// further on, past any offset a member or an earlier generation could have reached in
+/// that batch. Within a generation, a later cut still outranks an earlier one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Writer {
-    Replay = 0,
-    Member = 1,
+    Replay,
+    Member,
+    Supersede { generation: u64, batch_offsets: u64 },
 }
 
-/// The stored `version` of a row cut at `offset`: twice the offset, plus the writer's rank.
+/// The stored `version` of a row cut at `offset`: twice the offset, plus the writer's
+/// rank; a superseding replay's offset is moved `generation` batches on.
 pub fn stored_version(offset: i64, writer: Writer) -> u64 {
-    (offset.max(0) as u64) * 2 + writer as u64
+    let offset = offset.max(0) as u64;
+    match writer {
+        Writer::Replay => offset * 2,
+        Writer::Member => offset * 2 + 1,
+        Writer::Supersede { generation, batch_offsets } => (offset + generation * batch_offsets) * 2,
+    }
 }
 
-/// What a stored `version` says: the offset the row was cut at, and who wrote it.
-pub fn read_version(version: u64) -> (i64, Writer) {
+/// The generation of a stored `version` in the batch starting at `batch_start` (0: a
+/// member's or a plain replay's row; rows of clickagg ≤ 0.1, stored as the bare offset,
+/// are generation 0 too).
+pub fn generation_of(version: u64, batch_start: u64, batch_offsets: u64) -> u64 {
+    (version / 2).saturating_sub(batch_start) / batch_offsets.max(1)
+}
+
+/// What a stored `version` of a row of the batch starting at `batch_start` says: the
+/// offset the row was cut at, and who wrote it.
+pub fn read_version(version: u64, batch_start: u64, batch_offsets: u64) -> (i64, Writer) {
+    let generation = generation_of(version, batch_start, batch_offsets);
+    if generation > 0 {
+        let offset = version / 2 - generation * batch_offsets;
+        return (offset as i64, Writer::Supersede { generation, batch_offsets });
+    }
     let writer = if version % 2 == 1 { Writer::Member } else { Writer::Replay };
     ((version / 2) as i64, writer)
+}
+
+/// The stored version SQL of the generation of a row, as [`generation_of`].
+pub fn generation_sql(batch_offsets: u64) -> String {
+    format!("intDiv(if(intDiv(version, 2) > batch_start, intDiv(version, 2) - batch_start, 0), {batch_offsets})")
 }
 
 /// A handle on one ClickHouse database. Cheap to clone.
@@ -226,6 +257,38 @@ mod tests {
         };
         assert_eq!(created("008_sealed_hours.sql"), [SEALED_HOUR, SEALED_DAY, SEALS, TOUCHED, SEAL_PROGRESS]);
         assert_eq!(created("009_billing_periods.sql"), [CLOSED, CLOSES, ADJUSTMENTS]);
+    }
+
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any row of a superseding generation outranks every row of the same batch
+        /// written before it (members', replays', earlier generations'), a later cut
+        /// outranks an earlier one within a generation, and the version reads back as
+        /// the offset and writer it was stored from.
+        #[test]
+        fn a_supersede_generation_outranks_every_earlier_row_of_its_batch(
+            n in 1u64..100_000, batch in 0u64..1_000_000, a in 0u64..100_000, b in 0u64..100_000, g in 1u64..50,
+        ) {
+            let start = batch * n;
+            let (a, b) = (start + a % n, start + b % n);
+            let sup = |g: u64| Writer::Supersede { generation: g, batch_offsets: n };
+            let mut earlier = vec![Writer::Member, Writer::Replay];
+            if g > 1 {
+                earlier.push(sup(g - 1));
+            }
+            for earlier in earlier {
+                prop_assert!(stored_version(b as i64, sup(g)) > stored_version(a as i64, earlier));
+            }
+            if a < b {
+                prop_assert!(stored_version(b as i64, sup(g)) > stored_version(a as i64, sup(g)));
+            }
+            for w in [Writer::Member, Writer::Replay, sup(g)] {
+                prop_assert_eq!(read_version(stored_version(a as i64, w), start, n), (a as i64, w));
+            }
+            prop_assert_eq!(generation_of(stored_version(a as i64, sup(g)), start, n), g);
+            prop_assert_eq!(generation_of(stored_version(a as i64, Writer::Member), start, n), 0);
+        }
     }
 
     #[test]

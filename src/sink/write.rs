@@ -152,8 +152,13 @@ impl Sink {
 }
 
 /// The markers of a write: per hour and partition its rows fall in, the highest stored
-/// version among them.
+/// version among them. A superseding replay's markers carry the offset it reached, as a
+/// plain replay's do: `status` reads a partition's last flushed offset from them.
 pub(super) fn touched<'a>(topic: &'a str, rows: &[BatchRow], writer: Writer) -> Vec<TouchedOut<'a>> {
+    let writer = match writer {
+        Writer::Supersede { .. } => Writer::Replay,
+        w => w,
+    };
     let mut top: BTreeMap<(u32, u32), u64> = BTreeMap::new();
     for r in rows {
         let m = r.key.minute.epoch_seconds();

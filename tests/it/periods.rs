@@ -265,3 +265,202 @@ async fn a_day_closed_with_force_before_its_lateness_passed_is_adjusted_by_exact
     assert!(member.metric("clickagg_adjustments_total", &[]).await >= added.len() as f64);
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
+
+/// One bucket's row of a batch as a member wrote it last.
+#[derive(Debug, Clone, Copy, clickhouse::Row, serde::Deserialize)]
+struct Written {
+    ad_id: u64,
+    minute: u32,
+    partition: u32,
+    batch_start: u64,
+    clicks: u64,
+    version: u64,
+}
+
+/// Rows written as a wrong past flush would write them, with its markers: each replaces
+/// the row of its bucket and batch with the highest version a member can write there
+/// (cut at the batch's last offset), which no plain replay outranks.
+async fn write_wrong_rows(env: &TestEnv, rows: &[Written]) {
+    let sink = env.sink();
+    let topic = clickagg::sink::quote_literal(&env.topic);
+    let values: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "({}, toDateTime({}, 'UTC'), {topic}, {}, {}, {}, {})",
+                r.ad_id, r.minute, r.partition, r.batch_start, r.clicks, r.version
+            )
+        })
+        .collect();
+    sink.execute(&format!(
+        "INSERT INTO ad_clicks_minute (ad_id, minute, topic, partition, batch_start, clicks, version) VALUES {}",
+        values.join(", ")
+    ))
+    .await
+    .expect("writing the wrong rows");
+    let markers: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!("({topic}, toDateTime({}, 'UTC'), {}, {})", r.minute - r.minute % 3600, r.partition, r.version)
+        })
+        .collect();
+    sink.execute(&format!(
+        "INSERT INTO clickagg_touched (topic, hour, partition, version) VALUES {}",
+        markers.join(", ")
+    ))
+    .await
+    .expect("writing their markers");
+}
+
+/// `clickagg replay --supersede --from earliest --to <to>`, which must exit 0: its output.
+async fn supersede(env: &TestEnv, label: &str, to: &str) -> String {
+    let mut p = env.spawn(label, &["replay", "--supersede", "--from", "earliest", "--to", to], &[]);
+    let code = p.wait(Duration::from_secs(300)).await;
+    assert_eq!(code, 0, "{label} exited {code}:\n{}", p.output());
+    p.output()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_the_corrections() {
+    let env = TestEnv::new("supersede").await;
+    let n = env.batch_offsets;
+    let day = day_before_today(2);
+    let spec = Spec {
+        count: 12_000,
+        seed: 63,
+        ads: 100,
+        start_ms: i64::from(day + 9 * 3600) * 1000,
+        span: Duration::from_secs(3 * 3600),
+        ..Spec::default()
+    };
+    let (records, mut truth) = produce::plan(&spec);
+    // Today's clicks follow, over more than a batch per partition, so that every batch
+    // of that day is finished and committed by the member.
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let today = Spec { count: 3 * 4 * n, seed: 64, ads: 100, start_ms: now_ms - 3_600_000, ..Spec::default() };
+    let (after, after_truth) = produce::plan(&today);
+    for (k, c) in after_truth.counts {
+        *truth.counts.entry(k).or_default() += c;
+    }
+    env.send(&records, 4, None).await;
+    env.send(&after, 4, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let want = totals_of_day(&truth.counts, day);
+
+    // Wrong rows in that day's batches, as a past flush that miscounted (a cache lost
+    // mid-run, say) would have left them: over- and under-counts of member rows, and a
+    // bucket no click of the log is in.
+    let (from, to) = (day, day + DAY);
+    let written: Vec<Written> = env
+        .sink()
+        .client()
+        .query(
+            "SELECT ad_id, toUInt32(minute) AS minute, partition, batch_start, argMax(clicks, version) AS last_clicks, \
+             max(version) AS last_version FROM ad_clicks_minute WHERE topic = ? AND minute >= toDateTime(?, 'UTC') \
+             AND minute < toDateTime(?, 'UTC') GROUP BY ad_id, minute, partition, batch_start \
+             HAVING last_clicks > 1 ORDER BY cityHash64(ad_id, minute, partition) LIMIT 12",
+        )
+        .bind(&env.topic)
+        .bind(from)
+        .bind(to)
+        .fetch_all()
+        .await
+        .unwrap();
+    assert_eq!(written.len(), 12, "rows to make wrong: {written:?}");
+    let last_in_batch = |batch_start: u64| 2 * (batch_start + n - 1) + 1;
+    let mut wrong: Vec<Written> = written
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Written {
+            clicks: if i % 2 == 0 { r.clicks + 3 } else { r.clicks - 1 },
+            version: last_in_batch(r.batch_start),
+            ..*r
+        })
+        .collect();
+    wrong.push(Written {
+        ad_id: 999_999,
+        minute: day + 10 * 3600,
+        partition: 0,
+        batch_start: 0,
+        clicks: 5,
+        version: last_in_batch(0),
+    });
+    let mut corrections: BTreeMap<u64, i64> = BTreeMap::new();
+    for (w, r) in wrong.iter().zip(written.iter().map(Some).chain([None])) {
+        *corrections.entry(w.ad_id).or_default() += r.map_or(0, |r| r.clicks as i64) - w.clicks as i64;
+    }
+    corrections.retain(|_, d| *d != 0);
+    write_wrong_rows(&env, &wrong).await;
+    let (code, stdout, stderr) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let closed = close_day(&env, day, &["--force"]);
+    let (_, ads) = period_view(&env, day);
+    for (ad, &(closed_total, _, _)) in &ads {
+        let wrong_total = want.get(ad).copied().unwrap_or(0) as i64 - corrections.get(ad).copied().unwrap_or(0);
+        assert_eq!(closed_total.unwrap_or(0) as i64, wrong_total, "ad {ad}: closed with the wrong rows: {closed}");
+    }
+
+    // A replay that does not supersede cannot repair them: the member's rows outrank it.
+    env.replay_to_end("plain-replay", "earliest").await;
+    let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
+    assert_eq!(d.mismatches.len(), wrong.len(), "a plain replay leaves the wrong rows: {}", d.report(20));
+
+    // Refused where the member has not finished a batch: the end of the log.
+    let (code, _, stderr) = run(&env, &["replay", "--supersede", "--from", "earliest"]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("not finished by the group"), "{stderr}");
+
+    // Killed before it zeroes the bucket no click is in: every other row is repaired;
+    // run again (a new generation), it completes.
+    let to = rfc3339(day + DAY);
+    killed_at(&env, &["replay", "--supersede", "--from", "earliest", "--to", &to], "supersede:before-zeros").await;
+    let d = clickagg::verify::diff(&truth.counts, &env.billing().await);
+    assert_eq!(d.mismatches.len(), 1, "only the bucket with no click is left: {}", d.report(20));
+    assert_eq!((d.mismatches[0].key.ad_id, d.mismatches[0].actual), (999_999, 5));
+    let out = supersede(&env, "supersede", &to).await;
+    assert!(out.contains("superseded every earlier row of its batches (generation 2, 1 buckets found empty"), "{out}");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+
+    // The closed day keeps its totals; the sealer's next round adjusts it by the
+    // corrections, per ad, once.
+    let (code, stdout, stderr) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    let check = |ads: &Sides| -> Result<(), String> {
+        let got: BTreeMap<u64, i64> = ads.iter().filter(|(_, a)| a.1 != 0).map(|(&ad, a)| (ad, a.1)).collect();
+        if got != corrections {
+            return Err(format!("adjustments {got:?}, want the corrections {corrections:?}"));
+        }
+        for (ad, &(closed, adjusted, current)) in ads {
+            if closed.unwrap_or(0) as i64 + adjusted != current as i64 || current != want.get(ad).copied().unwrap_or(0)
+            {
+                return Err(format!("ad {ad}: closed {closed:?} + {adjusted} vs current {current}"));
+            }
+        }
+        Ok(())
+    };
+    let (view, ads) = period_view(&env, day);
+    check(&ads).unwrap_or_else(|e| panic!("{e}: {view}"));
+
+    // Superseding again changes nothing: same counts, no further adjustment.
+    let out = supersede(&env, "supersede-again", &to).await;
+    assert!(out.contains("(generation 3, "), "{out}");
+    env.assert_counts_exact(&truth.counts, "superseded twice").await;
+    run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    let (view, ads) = period_view(&env, day);
+    check(&ads).unwrap_or_else(|e| panic!("after a second supersede: {e}: {view}"));
+    for a in view["ads"].as_array().unwrap() {
+        assert!(a["adjustments"].as_array().is_none_or(|rows| rows.len() <= 1), "one adjustment per ad: {a}");
+    }
+
+    // explain names the superseding rows and their generation.
+    let r = &written[0];
+    let (code, stdout, _) =
+        run(&env, &["explain", "--ad", &r.ad_id.to_string(), "--minute", &rfc3339(r.minute), "--format", "json"]);
+    assert_eq!(code, 0);
+    let e: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+    let key = BucketKey { ad_id: r.ad_id, minute: Minute::from_epoch_seconds(r.minute) };
+    assert_eq!(e["clicks"], truth.counts[&key], "{e}");
+    assert!(e["batches"].as_array().unwrap().iter().all(|b| b["writer"] == "supersede" && b["generation"] == 3), "{e}");
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
