@@ -186,18 +186,19 @@ impl Explanation {
         let topic_width = self.batches.iter().map(|b| b.topic.len()).max().unwrap_or(0).max(5);
         let _ = writeln!(
             out,
-            "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<9}  written at",
+            "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<12}  written at",
             "topic", "partition", "offsets", "clicks", "writer"
         );
         for b in &self.batches {
             let _ = writeln!(
                 out,
-                "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<9}  {}",
+                "{:<topic_width$}  {:>9}  {:>25}  {:>8}  {:<12}  {}",
                 b.topic,
                 b.partition,
                 format!("{}..={}", b.first_offset, b.last_offset),
                 b.clicks,
-                b.writer,
+                // A superseding replay's rows with their generation: `supersede g2`.
+                b.generation.map_or(b.writer.to_string(), |g| format!("{} g{g}", b.writer)),
                 b.written_at
             );
         }
@@ -344,7 +345,7 @@ mod tests {
         let table = e.table();
         assert!(table.starts_with("ad 12, minute 2026-12-01T00:00:00Z: 9 clicks from 3 batch rows\n"), "{table}");
         assert!(table.contains("1000..=1999") && table.contains("5000..=5042"), "{table}");
-        assert!(table.contains("6000..=6010") && table.contains("supersede"), "{table}");
+        assert!(table.contains("6000..=6010") && table.contains("supersede g2"), "{table}");
         assert!(table.lines().last().unwrap().starts_with("total") && table.trim_end().ends_with(" 9"), "{table}");
         let json: serde_json::Value = serde_json::to_value(&e).unwrap();
         assert_eq!(json["batches"][1]["writer"], "replay");
