@@ -123,11 +123,17 @@ impl GroupContext {
         if let Err(e) = assigned {
             warn!(error = %e, "assigning partitions failed");
         }
+        // librdkafka keeps a partition's pause flag across a revoke and a new assignment
+        // of it: a partition revoked while the loop held consumption paused (a lost
+        // assignment after a long stall, which the loop's resume no longer reaches) came
+        // back paused, and was never read again. So the flag is set either way.
         if self.paused.load(Ordering::Relaxed) {
             if let Err(e) = consumer.pause(tpl) {
                 warn!(error = %e, "could not pause the assigned partitions");
             }
             info!(?partitions, "assigned partitions start paused, as the member is");
+        } else if let Err(e) = consumer.resume(tpl) {
+            warn!(error = %e, "could not resume the assigned partitions");
         }
         info!(?partitions, "partitions assigned");
         self.block_on(async {

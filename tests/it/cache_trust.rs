@@ -458,3 +458,45 @@ async fn a_copy_on_a_partition_lagging_by_more_than_a_window_when_the_cache_is_l
     env.assert_counts_exact(&expected, "the copy counts as a duplicate of the click partition 1 counted").await;
     assert_eq!(m.terminate(Duration::from_secs(30)).await, 0);
 }
+
+/// A member frozen past its session (SIGSTOP: a long pause of the process, a frozen VM)
+/// while the cache is lost and a new member takes its partitions over, then woken: a
+/// zombie holding unflushed rows and claims it decided before the loss. Kafka refuses
+/// its commits (its generation is gone), its next claims find its namespace lost, and it
+/// rejoins; whatever it writes meanwhile, the counts stay the definition's.
+///
+/// Found with this test: the woken member paused consumption (its in-flight claim had
+/// timed out), then lost its assignment, then resumed — nothing, as it held no
+/// partition — and got two partitions back still paused by librdkafka, which keeps a
+/// partition's pause flag across a re-assignment. They were never read again: 5 178
+/// clicks missing for as long as the run lasted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_frozen_past_its_session_while_the_cache_is_lost_wakes_as_a_zombie_and_counts_stay_exact() {
+    let env = TestEnv::new("zombie").await;
+    let (records, truth) = env.plan(retries_and_copies(40_000, 164));
+    let producer = env.spawn_producer(&records, 4, 2_000);
+    let mut a = env.spawn_member("a");
+    consumed_at_least(&a, 8_000).await;
+    a.signal(libc::SIGSTOP);
+    assert!(env.delete_dedup_keys().await > 0, "the member kept dedup state in Redis");
+    let mut b = env.spawn_member("b");
+    // `b` gets every partition once `a`'s session (6 s) expired, and counts on.
+    wait_until("every partition on the new member", Duration::from_secs(120), || async {
+        let n = b.metric("clickagg_assigned_partitions", &[]).await;
+        if n == 4.0 {
+            Ok(())
+        } else {
+            Err(format!("{n} assigned"))
+        }
+    })
+    .await;
+    consumed_at_least(&b, 4_000).await;
+    a.signal(libc::SIGCONT);
+    let from = a.lines().len();
+    producer.finished().await;
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    let woke: Vec<String> = a.lines()[from..].to_vec();
+    assert!(!woke.is_empty(), "the woken member logged nothing");
+    assert_eq!(a.terminate(Duration::from_secs(30)).await, 0, "{}", a.tail(40));
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+}
