@@ -245,6 +245,22 @@ impl Aggregator {
         self.cut(&partitions, false)
     }
 
+    /// The rows of the complete batches only, each whole; the open batches keep theirs
+    /// for a later cut, and nothing is committed. For a superseding replay, whose rows
+    /// outrank the complete rows already stored: a batch cut part-way and then killed
+    /// would read short until the replay ran again.
+    pub fn take_complete_batches(&mut self) -> Flush {
+        let mut flush = Flush::default();
+        for (&p, state) in self.partitions.iter_mut() {
+            for mut batch in state.complete.drain(..) {
+                batch.cut_rows(p, &mut flush);
+                self.buckets_held -= batch.minute_buckets();
+            }
+        }
+        flush.rows.sort_by_key(|r| (r.partition, r.batch_start, r.key));
+        flush
+    }
+
     /// Like [`take_flush`](Self::take_flush) for the given partitions only, and forgets
     /// them: used when partitions are revoked.
     pub fn take_partitions(&mut self, partitions: &[i32]) -> Flush {
@@ -409,6 +425,24 @@ mod tests {
         let f = agg.take_flush();
         assert_eq!(f.rows.len(), 1);
         assert_eq!(f.commits, BTreeMap::from([(0, 10), (1, 24)]));
+        assert_eq!(agg.buckets_held(), 0);
+    }
+
+    #[test]
+    fn only_complete_batches_are_cut_whole_and_the_open_one_keeps_its_rows_for_later() {
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 3, Some(key(1, 0)), None);
+        agg.observe(0, 12, Some(key(1, 0)), None); // batch 0 complete, batch 10 open
+        agg.observe(0, 14, Some(key(1, 0)), None);
+        let f = agg.take_complete_batches();
+        let rows: Vec<(i64, u64, i64)> = f.rows.iter().map(|r| (r.batch_start, r.clicks, r.version)).collect();
+        assert_eq!(rows, [(0, 1, 3)], "batch 0 whole, nothing of the open batch");
+        assert!(f.commits.is_empty(), "nothing committed");
+        assert_eq!(agg.buckets_held(), 1);
+        agg.observe(0, 19, Some(key(1, 0)), None); // its last offset: complete
+        let rows: Vec<(i64, u64, i64)> =
+            agg.take_complete_batches().rows.iter().map(|r| (r.batch_start, r.clicks, r.version)).collect();
+        assert_eq!(rows, [(10, 3, 19)], "the open batch once complete, with every click of it");
         assert_eq!(agg.buckets_held(), 0);
     }
 

@@ -651,6 +651,12 @@ impl Stages {
         self.job(flush, commit_mode)
     }
 
+    /// Like [`cut`](Self::cut) for the complete batches only (`replay --supersede`).
+    pub fn cut_complete_batches(&mut self, commit_mode: CommitMode) -> Job {
+        let flush = self.agg.take_complete_batches();
+        self.job(flush, commit_mode)
+    }
+
     fn job(&mut self, flush: Flush, commit_mode: CommitMode) -> Job {
         let mut all = std::mem::take(&mut self.carried);
         all.merge(flush);

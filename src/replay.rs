@@ -474,7 +474,14 @@ async fn run_plan(
         // batches do; a backlog half-way to the member's pause threshold cuts one early.
         let backlog = stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets / 2;
         if backlog || last_flush.elapsed() >= s.pipeline.flush_interval {
-            flusher.send(stages.cut(CommitMode::Async)).await;
+            // A superseding replay writes whole batches only: its rows outrank the
+            // complete ones stored, so a batch cut part-way and then killed would read
+            // short (and adjust closed periods twice) until it ran again.
+            let job = match writer {
+                Writer::Supersede { .. } => stages.cut_complete_batches(CommitMode::Async),
+                _ => stages.cut(CommitMode::Async),
+            };
+            flusher.send(job).await;
             last_flush = Instant::now();
         }
         progress.update(&read, reader.positions(), &stages.totals);
