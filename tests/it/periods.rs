@@ -12,7 +12,7 @@ use clickagg::aggregate::BucketKey;
 use clickagg::click::Minute;
 use clickagg::produce::{self, Kind, Planned, Spec, Truth};
 
-use crate::helpers::{wait_until, TestEnv};
+use crate::helpers::{wait_until, StoredRow, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 const DAY: u32 = 86_400;
@@ -273,21 +273,10 @@ async fn a_day_closed_with_force_before_its_lateness_passed_is_adjusted_by_exact
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
-/// One bucket's row of a batch as a member wrote it last.
-#[derive(Debug, Clone, Copy, clickhouse::Row, serde::Deserialize)]
-struct Written {
-    ad_id: u64,
-    minute: u32,
-    partition: u32,
-    batch_start: u64,
-    clicks: u64,
-    version: u64,
-}
-
 /// Rows written as a wrong past flush would write them, with its markers: each replaces
 /// the row of its bucket and batch with the highest version a member can write there
 /// (cut at the batch's last offset), which no plain replay outranks.
-async fn write_wrong_rows(env: &TestEnv, rows: &[Written]) {
+async fn write_wrong_rows(env: &TestEnv, rows: &[StoredRow]) {
     let sink = env.sink();
     let topic = clickagg::sink::quote_literal(&env.topic);
     let values: Vec<String> = rows
@@ -359,7 +348,7 @@ async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_t
     // mid-run, say) would have left them: over- and under-counts of member rows, and a
     // bucket no click of the log is in.
     let (from, to) = (day, day + DAY);
-    let written: Vec<Written> = env
+    let written: Vec<StoredRow> = env
         .sink()
         .client()
         .query(
@@ -376,16 +365,16 @@ async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_t
         .unwrap();
     assert_eq!(written.len(), 12, "rows to make wrong: {written:?}");
     let last_in_batch = |batch_start: u64| 2 * (batch_start + n - 1) + 1;
-    let mut wrong: Vec<Written> = written
+    let mut wrong: Vec<StoredRow> = written
         .iter()
         .enumerate()
-        .map(|(i, r)| Written {
+        .map(|(i, r)| StoredRow {
             clicks: if i % 2 == 0 { r.clicks + 3 } else { r.clicks - 1 },
             version: last_in_batch(r.batch_start),
             ..*r
         })
         .collect();
-    wrong.push(Written {
+    wrong.push(StoredRow {
         ad_id: 999_999,
         minute: day + 10 * 3600,
         partition: 0,

@@ -13,10 +13,8 @@ use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
 use clickagg::sink::billing::FEW_ADS;
 use clickagg::sink::Writer;
-use clickhouse::Row;
-use serde::Deserialize;
 
-use crate::helpers::TestEnv;
+use crate::helpers::{StoredRow, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(180);
 const MINUTE: u32 = 60;
@@ -180,17 +178,6 @@ fn ads_by_popularity(truth: &Truth) -> Vec<u64> {
     let mut ads: Vec<(u64, u64)> = totals.into_iter().collect();
     ads.sort_by_key(|&(ad, total)| (std::cmp::Reverse(total), ad));
     ads.into_iter().map(|(ad, _)| ad).collect()
-}
-
-/// A row of the minute table with every column, for writing stale copies of stored rows.
-#[derive(Debug, Row, Deserialize)]
-struct StoredRow {
-    ad_id: u64,
-    minute: u32,
-    partition: u32,
-    batch_start: u64,
-    clicks: u64,
-    version: u64,
 }
 
 const SEALED: [(&str, &str); 2] = [("ad_clicks_sealed_hour", "hour"), ("ad_clicks_sealed_day", "day")];

@@ -497,3 +497,15 @@ impl Producing {
         self.task.abort()
     }
 }
+
+/// One row of the minute table read back with its key, count and version (tests read
+/// stored rows to write stale or wrong copies of them).
+#[derive(Debug, Clone, Copy, clickhouse::Row, serde::Deserialize)]
+pub struct StoredRow {
+    pub ad_id: u64,
+    pub minute: u32,
+    pub partition: u32,
+    pub batch_start: u64,
+    pub clicks: u64,
+    pub version: u64,
+}

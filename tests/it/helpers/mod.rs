@@ -25,7 +25,7 @@ pub mod registry;
 pub mod stack;
 pub mod wait;
 
-pub use env::{redis_url, TestEnv};
+pub use env::{redis_url, StoredRow, TestEnv};
 pub use http::metric_value;
 pub use kafka::{positions_of_keys, read_dead_letters, source_payload};
 pub use process::Member;
