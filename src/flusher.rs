@@ -1,7 +1,8 @@
 //! The flusher: the one task that makes flushes durable, and the one owner of commits.
 //!
 //! Flushes arrive in order on a bounded channel. Each is written completely — its dead
-//! letters acknowledged, its pins, then its rows and their hour markers — and only then are
+//! letters acknowledged, its pins, then its rows and their hour markers (each write only
+//! while the dedup cache still holds the namespace its decisions were made in) — and only then are
 //! the offsets it allows committed, and only then does the next flush start: a later
 //! flush's commits assume the earlier rows are durable (docs/DESIGN.md §8). Meanwhile the
 //! member goes on reading and deciding. When the channel is full the member waits to
@@ -23,7 +24,7 @@ use rdkafka::error::KafkaResult;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info_span, warn, Instrument};
 
-use crate::cache::SharedCache;
+use crate::cache::{DedupError, SharedCache};
 use crate::dead_letter::DeadLetters;
 use crate::health::Health;
 pub use crate::pipeline::Job;
@@ -71,8 +72,8 @@ struct Shared {
     owned: Mutex<BTreeSet<i32>>,
     /// Set when the drain timed out: nothing more is written or committed.
     abandon: tokio_util::sync::CancellationToken,
-    /// Bumped by [`Flusher::fence`]: a job handed over before writes its rows but
-    /// commits nothing.
+    /// Bumped by [`Flusher::fence`]: a job handed over before is dropped unwritten (one
+    /// already being written commits nothing).
     fence: AtomicU64,
     rows_flushed: AtomicUsize,
 }
@@ -123,17 +124,16 @@ impl Flusher {
         tokio::time::timeout_at(deadline.into(), wait).await.unwrap_or(false)
     }
 
-    /// Jobs handed over so far commit nothing: their decisions were made in a dedup
-    /// cache that has since been lost, and their partitions start over from the
-    /// committed offsets (their rows are still written, as a crash mid-flush leaves them).
+    /// Jobs handed over so far are not written and commit nothing: their decisions were
+    /// made in a dedup cache that has since been lost, and their partitions start over
+    /// from the committed offsets.
     pub fn fence(&self) {
         self.shared.fence.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Waits until every job handed over so far is written (or abandoned); a fenced one
-    /// commits nothing. A member that starts over waits for it before it loads the
-    /// recorded pins again: a pin a fenced job writes later would contradict the decision
-    /// made again without it.
+    /// Waits until every job handed over so far is written, dropped (fenced) or
+    /// abandoned. A member that starts over waits for it before it loads the recorded
+    /// pins again: a job still being written may write its pins.
     pub async fn settle(&self) {
         let (tx, rx) = oneshot::channel();
         if self.tx.send(Message::Barrier(tx)).await.is_ok() {
@@ -174,14 +174,25 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
             Message::Job(job, fence) => (job, fence),
         };
         let (job, fence) = job;
+        let fenced = || fence != shared.fence.load(Ordering::Relaxed);
         if shared.abandon.is_cancelled() {
             shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
             continue;
         }
+        if fenced() {
+            // Decided in a cache lost since: its partitions are read again from the
+            // committed offsets, and another member may be deciding them already.
+            drop_fenced("the member noticed the dedup cache was lost after this flush was cut");
+            shared.buckets.fetch_sub(job.buckets, Ordering::Relaxed);
+            continue;
+        }
         match write(&mut c, &job, &shared, &log_limit).await {
-            Ok(true) if fence == shared.fence.load(Ordering::Relaxed) => commit(&mut c, &job, &shared).await,
-            Ok(true) => debug!("a job cut before the dedup cache was lost: rows written, nothing committed"),
-            Ok(false) => {} // abandoned: the job is not durable, nothing is committed
+            Ok(Written::Durable) if !fenced() => commit(&mut c, &job, &shared).await,
+            Ok(Written::Durable) => debug!("a job cut before the dedup cache was lost: written, nothing committed"),
+            Ok(Written::Fenced) => {
+                drop_fenced("the dedup cache no longer holds the namespace this flush was decided in")
+            }
+            Ok(Written::Abandoned) => {} // not durable, nothing is committed
             Err(e) => {
                 shared.abandon.cancel();
                 c.fatal.raise(e);
@@ -192,8 +203,31 @@ async fn run(mut c: FlusherConfig, mut rx: mpsc::Receiver<Message>, shared: Arc<
     }
 }
 
-/// Makes one job durable, retrying transient failures; `Ok(false)` if abandoned first.
-async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &RateLimiter) -> Result<bool, String> {
+/// What became of a job.
+enum Written {
+    /// Its dead letters, pins, clocks and rows are durable.
+    Durable,
+    /// Shut down (or abandoned) first: not durable.
+    Abandoned,
+    /// Not written: its decisions were made in a dedup cache that is gone.
+    Fenced,
+}
+
+fn drop_fenced(why: &str) {
+    metrics::counter!(t::FENCED_FLUSHES).increment(1);
+    warn!(why, "a flush decided in a lost dedup cache is dropped, not written; its partitions are counted again");
+}
+
+/// Makes one job durable, retrying transient failures.
+///
+/// Before its pins and again before its rows, the member checks that the cache still
+/// holds the namespace the job was decided in. A member frozen past its session (a
+/// stalled process, a paused VM) while the cache was lost wakes with flushes of
+/// decisions nobody else knows; the member that took its partitions over decided them
+/// again in a new namespace, and those rows or pins, written after its own, would outrank
+/// or contradict them (counted twice, or lost). What remains is a freeze between a check
+/// and the insert after it (README, "Known limits").
+async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &RateLimiter) -> Result<Written, String> {
     let f = &job.flush;
     let span = info_span!("flush", rows = f.rows.len(), pins = f.pins.len(), dead_letters = job.dead_letters.len(), commits = ?f.commits);
     // An abandoned flusher (a drain that timed out) stops waiting; a shutdown alone lets
@@ -203,7 +237,7 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
     // table): stop and say what to change.
     let stopped = |s: Stopped<String>| match s {
         Stopped::Fatal(e) => Err(e),
-        Stopped::ShutDown => Ok(false),
+        Stopped::ShutDown => Ok(Written::Abandoned),
     };
     async {
         if let Some(dl) = &mut c.dead_letters {
@@ -229,29 +263,46 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
         }
         loop {
             let started = Instant::now();
+            let cache = &mut c.cache;
             let result = async {
+                if !still_decided_in(cache).await? {
+                    return Ok(false);
+                }
                 c.sink.insert_pins(&c.topic, &f.pins).await?;
                 c.sink.insert_clocks(&c.topic, &job.clocks).await?;
-                c.sink.insert(&c.topic, &f.rows, c.writer).await
+                if !f.rows.is_empty() && !still_decided_in(cache).await? {
+                    return Ok(false);
+                }
+                c.sink.insert(&c.topic, &f.rows, c.writer).await?;
+                Ok(true)
             }
             .await;
             match result {
-                Ok(()) => {
+                Ok(false) => return Ok(Written::Fenced),
+                Ok(true) => {
                     metrics::histogram!(t::FLUSH_DURATION).record(started.elapsed().as_secs_f64());
                     metrics::counter!(t::FLUSHES).increment(1);
                     metrics::counter!(t::ROWS_FLUSHED).increment(f.rows.len() as u64);
                     shared.rows_flushed.fetch_add(f.rows.len(), Ordering::Relaxed);
                     c.health.set_clickhouse(true);
                     debug!(elapsed_ms = started.elapsed().as_millis() as u64, "flushed");
-                    return Ok(true);
+                    return Ok(Written::Durable);
                 }
                 Err(e) => {
                     let health = &c.health;
-                    let transient = |e: &SinkError| {
-                        health.set_clickhouse(false);
-                        metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
-                        metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
-                        if log_limit.allow("clickhouse", Instant::now()).is_some() {
+                    let transient = |e: &StepError| {
+                        match e {
+                            StepError::Sink(_) => {
+                                health.set_clickhouse(false);
+                                metrics::counter!(t::CLICKHOUSE_ERRORS).increment(1);
+                                metrics::counter!(t::CLICKHOUSE_RETRIES).increment(1);
+                            }
+                            StepError::Cache(DedupError::Transient { trouble, .. }) => {
+                                metrics::counter!(t::REDIS_ERRORS, "kind" => trouble.label()).increment(1)
+                            }
+                            StepError::Cache(_) => {}
+                        }
+                        if log_limit.allow("flush", Instant::now()).is_some() {
                             warn!(error = %e, "flush failed; keeping the rows and retrying");
                         }
                     };
@@ -264,6 +315,33 @@ async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &Ra
     }
     .instrument(span)
     .await
+}
+
+/// Whether the dedup cache still holds the namespace the member decides in (a replay,
+/// with no cache, always decides in its own memory).
+async fn still_decided_in(cache: &mut Option<SharedCache>) -> Result<bool, StepError> {
+    match cache {
+        Some(cache) => cache.holds_namespace().await.map_err(StepError::Cache),
+        None => Ok(true),
+    }
+}
+
+/// A failure of the ClickHouse part of a flush, or of the cache check before it.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error(transparent)]
+    Sink(#[from] SinkError),
+    #[error("checking the dedup cache before a flush: {0}")]
+    Cache(DedupError),
+}
+
+impl Retryable for StepError {
+    fn is_fatal(&self) -> bool {
+        match self {
+            StepError::Sink(e) => e.is_fatal(),
+            StepError::Cache(e) => matches!(e, DedupError::Fatal(_)),
+        }
+    }
 }
 
 /// A failure of one step of a flush, as the retry sees it.

@@ -39,8 +39,6 @@
 //! - rows decided under settings that no longer hold, which nothing replaced, are left
 //!   out with the clicks they stand in for (a settings change deletes those past the
 //!   committed offsets; a replay still running across the change writes more);
-//! - a zombie whose commits the broker takes, holding decisions of a cache lost since,
-//!   beside the partition's new owner (`Member::expose_zombies_of_a_lost_cache`);
 //! - a cross-partition click that a known defect meets (`World::exposed`) or with a copy
 //!   in a range resets skipped is held to looser bounds (`oracle::Fixed`); the summary
 //!   line says how many.
@@ -224,7 +222,6 @@ impl Run {
                 if let Some(m) = Member::join(&mut self.w, &ps) {
                     self.members.push(m);
                 }
-                Member::expose_zombies_of_a_lost_cache(&self.members, &mut self.w);
             }
             Op::Read { m, p, k, then, cut } => {
                 let Some(i) = pick(&self.members, *m) else { return };
@@ -235,7 +232,7 @@ impl Run {
                 }
                 let fate = self.members[i].read(w, &batches);
                 if fate == Fate::Alive && *cut {
-                    self.members[i].cut(w);
+                    self.members[i].cut();
                 }
                 if fate == Fate::Dead {
                     self.members.remove(i);
@@ -277,11 +274,9 @@ impl Run {
             }
             Op::Wipe => {
                 w.redis.wipe();
-                Member::expose_zombies_of_a_lost_cache(&self.members, w);
             }
             Op::WipeGroup(g) => {
                 w.redis.wipe_group(usize::from(*g) % redis::GROUPS);
-                Member::expose_zombies_of_a_lost_cache(&self.members, w);
             }
             Op::LoseWrites(g) => {
                 let g = usize::from(*g) % redis::GROUPS;
@@ -1084,15 +1079,18 @@ fn a_replay_that_loaded_its_pins_before_a_copy_was_pinned_outlives_a_rebuilt_tab
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
 
-// Found by this model, not reachable on Kafka: a member that becomes a zombie (paused
-// past its session, partitioned away) while the broker still takes its commits, holding
-// decisions made in a namespace the cache has lost since. The partition's new owner
-// plans it in the new namespace from the committed offset — nothing to warm up, so the
-// partition is ready at once — and the copies on other partitions are decided there
-// without the zombie's sightings: they count. The zombie's commit then makes its own
-// decisions final, and the next owner warms up past them: both copies count.
+// Regression (a defect this model found, fixed): guards that a flush decided in a lost
+// cache is never written. A member that becomes a zombie (paused past its session,
+// partitioned away) holding decisions made in a namespace the cache has lost since: the
+// partition's new owner plans it in the new namespace from the committed offset and
+// decides the copies on other partitions there without the zombie's sightings; they
+// count. The zombie's flush then wrote its own decisions (and, on a broker that takes
+// its commits, made them final): both copies counted. On Kafka the commit is refused
+// (its generation is gone), but the rows and pins were still written, and outranked or
+// contradicted the new owner's (`cache_trust::a_member_frozen_past_its_session_…`: 7
+// clicks counted twice and 2 lost of 31 518). Now the flusher writes a job only while
+// the cache holds the namespace it was decided in (`flusher::write`).
 #[test]
-#[ignore = "needs a broker that takes a zombie's commits after its partitions went to another member, which Kafka's group generations exclude (a commit of a member whose session expired fails with ILLEGAL_GENERATION, seen in cache_trust::a_member_frozen_past_its_session_…); kept as the case a generation-fenced commit path would have to cover on other brokers"]
 fn a_zombie_commits_decisions_made_in_a_lost_cache_beside_the_new_owner() {
     use log::{Ev, Stamp};
     let c = |p: u8| Ev::Click { p, k: 0, ad: 0, dt: 0, stamp: Stamp::At };

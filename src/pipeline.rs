@@ -637,9 +637,10 @@ impl Stages {
     }
 
     /// After the cache was lost (and renewed): every partition starts over from `starts`
-    /// as if just assigned; cuts carried from fall-backs keep their rows but commit nothing.
+    /// as if just assigned. Cuts carried from fall-backs are dropped like the flushes
+    /// the flusher fenced: decided before the loss, they are read and decided again.
     pub fn start_over(&mut self, starts: Vec<(Start, RecordedPins)>) {
-        self.carried.commits.clear();
+        self.carried = Flush::default();
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => "lost").increment(starts.len() as u64);
         self.assign(starts);
     }

@@ -56,6 +56,8 @@ pub fn age_seconds(now: f64, tenth: u64) -> f64 {
 pub const LAST_FLUSH: &str = "clickagg_last_flush_timestamp_seconds";
 /// 1 when `/readyz` says ready; computed when `/metrics` is scraped.
 pub const READY: &str = "clickagg_ready";
+/// Flushes dropped unwritten: decided in a dedup cache that was lost since.
+pub const FENCED_FLUSHES: &str = "clickagg_fenced_flushes_total";
 pub const FLUSHES: &str = "clickagg_flushes_total";
 pub const ROWS_FLUSHED: &str = "clickagg_rows_flushed_total";
 pub const COMMITTED_OFFSET: &str = "clickagg_committed_offset";
@@ -124,6 +126,7 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (LAST_FLUSH, Kind::Gauge, "Unix time of the last durable flush that covered the partition."),
     (READY, Kind::Gauge, "1 when /readyz answers 200: Redis and ClickHouse reachable and claims accepted."),
     (FLUSHES, Kind::Counter, "Flushes made durable in ClickHouse."),
+    (FENCED_FLUSHES, Kind::Counter, "Flushes dropped unwritten because the dedup cache they were decided in was lost since."),
     (ROWS_FLUSHED, Kind::Counter, "Minute rows written to ClickHouse (hours and days are sealed from them later)."),
     (COMMITTED_OFFSET, Kind::Gauge, "The offset this member last committed for the partition (a batch boundary)."),
     (CONSUMER_LAG, Kind::Gauge, "Records between the partition's committed offset and its log end (librdkafka's statistics)."),
@@ -233,6 +236,7 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         DEDUP_SWEPT,
         DEDUP_WAITS,
         FLUSHES,
+        FENCED_FLUSHES,
         ROWS_FLUSHED,
         REDIS_RETRIES,
         CLICKHOUSE_ERRORS,

@@ -128,6 +128,20 @@ impl SharedCache {
         }
     }
 
+    /// Whether every key group still holds the namespace this member decides in. A
+    /// flush is written only then (`flusher`): once the cache was lost, another member
+    /// may already have decided the flush's offsets again in a new namespace, and rows or
+    /// pins from the old decisions written after its own would outrank or contradict them.
+    pub async fn holds_namespace(&mut self) -> Result<bool, DedupError> {
+        let ours = self.namespace();
+        if ours.is_empty() {
+            return Ok(false);
+        }
+        let cmds = (0..self.groups).map(|g| redis::cmd("GET").arg(self.ns_key(g)).clone()).collect();
+        let held = self.each(cmds).await?;
+        Ok(held.into_iter().all(|v| matches!(redis::from_redis_value::<Option<String>>(v), Ok(Some(ns)) if ns == ours)))
+    }
+
     pub(super) async fn set_ns(&mut self, group: u32, ns: &str) -> Result<(), DedupError> {
         let _: Value = self.query(redis::cmd("SET").arg(self.ns_key(group)).arg(ns).clone(), group).await?;
         Ok(())

@@ -184,8 +184,8 @@ impl Loop<'_> {
     }
 
     /// After a claim found the dedup cache lost: moves to a new namespace (or the one
-    /// another member already moved to), fences the flusher (flushes cut so far commit
-    /// nothing), waits until those flushes are written (their pins with them), and starts
+    /// another member already moved to), fences the flusher (flushes cut so far are
+    /// dropped unwritten), waits until the one being written is done, and starts
     /// every partition over from its committed offset, rebuilding its state in the new
     /// namespace.
     pub(super) async fn start_over(
@@ -197,8 +197,8 @@ impl Loop<'_> {
         warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
         self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
         self.flusher.fence();
-        // The fenced flushes write their rows and pins first: planning loads the pins, and
-        // one written after it would contradict a decision made again in the new namespace.
+        // A flush being written may still write its pins: planning loads the pins, and one
+        // written after it would contradict a decision made again in the new namespace.
         tokio::select! {
             _ = shutdown.cancelled() => return Err(PipelineError::ShutDown("writing the flushes cut before the loss".into())),
             _ = self.flusher.settle() => {}

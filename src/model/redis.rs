@@ -156,6 +156,11 @@ impl Redis {
         }
     }
 
+    /// `SharedCache::holds_namespace`: every group still holds `ns`.
+    pub fn holds_ns(&self, ns: Ns) -> bool {
+        self.groups.iter().all(|g| g.ns == Some(ns))
+    }
+
     fn set_ns(&mut self, g: usize, ns: Ns) {
         self.groups[g].ns = Some(ns);
         self.touched(g);

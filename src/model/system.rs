@@ -95,8 +95,7 @@ pub struct World {
     pub committed: Vec<Option<i64>>,
     /// The wall clock (s).
     pub wall: Secs,
-    /// The cross-partition clicks the defects `World::resets_to`,
-    /// `World::fenced_pins` and `World::orphan_pins` name meet.
+    /// The cross-partition clicks the defect `World::resets_to` names meets.
     pub exposed: BTreeSet<u32>,
     /// Per partition, the offsets group resets moved past that no member read since.
     pub skipped: BTreeMap<i32, BTreeSet<i64>>,
@@ -106,9 +105,6 @@ pub struct World {
     /// The oracle's clock (and pending jump) before each offset of each partition.
     truth: Vec<Vec<(Option<u32>, Option<u32>)>>,
     next_pid: u64,
-    /// Plans made so far, and per partition the last one: (its serial, who made it).
-    plans: u64,
-    last_plan: BTreeMap<i32, (u64, u64)>,
 }
 
 impl World {
@@ -137,8 +133,6 @@ impl World {
             violations: Vec::new(),
             truth,
             next_pid: 0,
-            plans: 0,
-            last_plan: BTreeMap::new(),
         }
     }
 
@@ -156,33 +150,6 @@ impl World {
                 o as i64 >= to[p] && self.skipped.get(&(p as i32)).is_some_and(|s| s.contains(&(o as i64)))
             };
             if c.copies.iter().any(read_again) {
-                self.exposed.insert(c.id);
-            }
-        }
-    }
-
-    /// A member whose assignment was lost still writes the pins of a flush it cut before:
-    /// if the cache was lost meanwhile, the new owner planned without them and may
-    /// decide those copies otherwise (a defect the model found, not fixed yet: the
-    /// member cannot tell; see the summary in `model.rs`). Their clicks are held loosely.
-    /// A fenced flush writes its pins before its member plans again (`Flusher::settle`),
-    /// but another member (the new owner of a partition, beside a zombie) may have
-    /// planned it since the flush was cut: it decides those copies without the pins (a
-    /// defect the model found, not fixed yet). Their clicks are held loosely.
-    fn fenced_pins(&mut self, pins: &[crate::aggregate::PinRow], pid: u64, cut_at: u64) {
-        for pin in pins {
-            let planned_since = self.last_plan.get(&pin.partition).is_some_and(|&(at, by)| at > cut_at && by != pid);
-            let at = (pin.partition as usize, pin.offset as usize);
-            if let (true, Some(c)) = (planned_since, self.log.cross.iter().find(|c| c.copies.contains(&at))) {
-                self.exposed.insert(c.id);
-            }
-        }
-    }
-
-    fn orphan_pins(&mut self, pins: &[crate::aggregate::PinRow], owned: &BTreeSet<i32>) {
-        for pin in pins.iter().filter(|pin| !owned.contains(&pin.partition)) {
-            let at = (pin.partition as usize, pin.offset as usize);
-            if let Some(c) = self.log.cross.iter().find(|c| c.copies.contains(&at)) {
                 self.exposed.insert(c.id);
             }
         }
@@ -662,7 +629,7 @@ pub struct Member {
     /// The claim task's partitions whose reader generation had to wait.
     waiting: HashMap<i32, u64>,
     /// The flusher: handed-over jobs with the fence they were handed over under.
-    queue: VecDeque<(Job, u64, u64)>,
+    queue: VecDeque<(Job, u64)>,
     fence: u64,
     /// The partitions whose commits the flusher sends.
     owned: BTreeSet<i32>,
@@ -715,33 +682,6 @@ impl Member {
         self.st.readers.contains_key(&p)
     }
 
-    /// A zombie whose commits the broker still takes, holding decisions made in a
-    /// namespace the cache has lost since, beside the partition's new owner: the new
-    /// owner planned it in the new namespace from the committed offset (nothing to warm
-    /// up, so it is ready), other partitions' copies were decided there without the
-    /// zombie's sightings, and the zombie's commit then makes its own decisions final —
-    /// both copies count (a defect the model found, not fixed yet: the test
-    /// `a_zombie_commits_decisions_made_in_a_lost_cache_beside_the_new_owner`). The
-    /// cross-partition clicks with a copy among those decisions are held loosely.
-    pub fn expose_zombies_of_a_lost_cache(members: &[Member], w: &mut World) {
-        for (i, m) in members.iter().enumerate() {
-            if !m.commits_taken || w.redis.groups.iter().all(|g| g.ns == Some(m.ns)) {
-                continue;
-            }
-            for (&p, r) in &m.st.readers {
-                if !members.iter().enumerate().any(|(j, other)| j != i && other.owns(p)) {
-                    continue;
-                }
-                let from = w.committed[p as usize].unwrap_or(0);
-                for c in &w.log.cross {
-                    if c.copies.iter().any(|&(q, o)| q as i32 == p && (o as i64) >= from && (o as i64) <= r.last) {
-                        w.exposed.insert(c.id);
-                    }
-                }
-            }
-        }
-    }
-
     pub fn partitions(&self) -> Vec<i32> {
         self.st.readers.keys().copied().collect()
     }
@@ -771,10 +711,6 @@ impl Member {
     /// `Stages::plan_shared_starts`.
     fn plan(&mut self, w: &mut World, partitions: &[i32]) -> Result<Planned, Lost> {
         let mut starts = Vec::new();
-        w.plans += 1;
-        for &p in partitions {
-            w.last_plan.insert(p, (w.plans, self.pid));
-        }
         let need = w.lagging_clock();
         for &p in partitions {
             let m = w.marks(p, w.boundary(p, w.committed[p as usize]), self.st.window, need);
@@ -1054,8 +990,8 @@ impl Member {
         add(if lost.frontier { &coverage::LOST_FRONTIER } else { &coverage::LOST_NAMESPACE }, 1);
         add(&coverage::START_OVERS, 1);
         self.fence += 1;
-        // `Flusher::settle`: the fenced flushes are written (rows and pins, no commit)
-        // before the partitions are planned again.
+        // `Flusher::settle`: the fenced flushes are dropped before the partitions are
+        // planned again.
         while self.has_queued() {
             if self.flush_one(w, None) == Fate::Dead {
                 return Fate::Dead;
@@ -1067,7 +1003,7 @@ impl Member {
                 Recovered::Ns(ns) => self.ns = ns,
             }
             let partitions = self.partitions();
-            self.st.carried.commits.clear();
+            self.st.carried = Flush::default();
             match self.plan(w, &partitions) {
                 Ok(starts) => {
                     self.assign(starts);
@@ -1086,10 +1022,10 @@ impl Member {
     }
 
     /// Cuts a flush and hands it to the flusher.
-    pub fn cut(&mut self, w: &World) {
+    pub fn cut(&mut self) {
         let job = self.st.cut();
         if !(job.flush.is_empty() && job.clocks.is_empty()) {
-            self.queue.push_back((job, self.fence, w.plans));
+            self.queue.push_back((job, self.fence));
         }
     }
 
@@ -1100,24 +1036,21 @@ impl Member {
     /// The flusher writes its oldest job and commits what it allows; with `crash_after`,
     /// the member dies after that many of the writes (pins, clocks, day, hour, minute).
     pub fn flush_one(&mut self, w: &mut World, crash_after: Option<usize>) -> Fate {
-        let Some((job, fence, cut_at)) = self.queue.pop_front() else { return Fate::Alive };
-        if fence != self.fence {
-            w.fenced_pins(&job.flush.pins, self.pid, cut_at);
+        let Some((job, fence)) = self.queue.pop_front() else { return Fate::Alive };
+        // `flusher::write`: a job decided in a cache lost since (fenced, or its
+        // namespace no longer held) is dropped unwritten.
+        if fence != self.fence || !w.redis.holds_ns(self.ns) {
+            add(&coverage::FENCED, 1);
+            return Fate::Alive;
         }
         if let Some(stages) = crash_after {
             add(&coverage::MID_FLUSH_CRASHES, 1);
             w.write(&job, Writer::Member, self.ns.tag, stages);
             if stages >= 1 {
-                w.orphan_pins(&job.flush.pins, &self.owned);
             }
             return Fate::Dead;
         }
         w.write(&job, Writer::Member, self.ns.tag, 3);
-        w.orphan_pins(&job.flush.pins, &self.owned);
-        if fence != self.fence {
-            add(&coverage::FENCED, 1);
-            return Fate::Alive;
-        }
         let commits: BTreeMap<i32, i64> =
             job.flush.commits.iter().filter(|(p, _)| self.owned.contains(p)).map(|(&p, &o)| (p, o)).collect();
         if commits.is_empty() {
@@ -1136,7 +1069,7 @@ impl Member {
 
     /// A drain: cut, then everything handed over is written and committed.
     pub fn drain(&mut self, w: &mut World) {
-        self.cut(w);
+        self.cut();
         while self.has_queued() {
             self.flush_one(w, None);
         }
@@ -1154,7 +1087,7 @@ impl Member {
         } else {
             let cut = self.st.agg.take_partitions(&partitions);
             let job = self.st.job(cut);
-            self.queue.push_back((job, self.fence, w.plans));
+            self.queue.push_back((job, self.fence));
             while self.has_queued() {
                 self.flush_one(w, None);
             }
