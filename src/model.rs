@@ -23,15 +23,12 @@
 //!
 //! # What the product gets wrong today
 //!
-//! The tests marked `PRODUCT DEFECT` at the end of this file are counterexamples the
-//! model found, shrunk and written out; they are ignored (`cargo test -- --ignored` runs
-//! them) and fail until the product is fixed. The tests marked `Regression` are the ones
-//! fixed since, kept as they were. So that the property keeps guarding everything else
-//! meanwhile, the model steps around exactly the open cases, each where it happens and
-//! naming the test:
-//! - the generator makes a click judged ahead of its partition's clock (stamped over an
-//!   hour ahead, unconfirmed) a rejected record (`log::CLICKS_JUDGED_AHEAD`), and ends
-//!   every partition with a click (`log::LAST_IDS`);
+//! Counterexamples the model found are shrunk and written out at the end of this file.
+//! None is open: the ones marked `Regression` were fixed since, and are kept as they
+//! were (an open one would be an ignored `PRODUCT DEFECT` test until fixed). What the
+//! model still steps around, each where it happens — limits README "Known limits" names,
+//! or liveness cases it cannot decide:
+//! - the generator ends every partition with a click (`log::LAST_IDS`);
 //! - a last member stuck waiting is followed by a wipe and another; stuck again, the case
 //!   is not checked (counted in the summary line);
 //! - a failover loses a call only while its caller is the only member running;
@@ -616,17 +613,15 @@ fn records(v: &[(u32, Option<u32>)]) -> Vec<oracle::Record> {
 /// Days ahead: a record stamped there is judged at its own time.
 const FAR: u32 = 200_000;
 
-// PRODUCT DEFECT (found by this model): a sighting judged far ahead, at its own
-// timestamp, stays the latest sighting of its click ID: `decide_shared` (and claim.lua,
-// and `PrivateScope::sight`) compare a later sighting with it by `saturating_sub`, which
-// is 0 for an earlier sighting judged *later* — so every later sighting of that ID in the
-// partition is a duplicate until the clock reaches it (year 2100: forever). The
-// definition counts a click unless an earlier sighting lies within the window *before*
-// it, and a reader whose lookback starts after the far-ahead record (a replay, a member
-// rebuilding a lost cache) does not see it at all: the same log counts differently
-// depending on whether the cache survived.
+// Regression (a defect this model found, fixed): guards that a sighting judged far
+// ahead, at its own timestamp, hides nothing. It stayed the latest sighting of its click
+// ID: `decide_shared` (and claim.lua, and `PrivateScope::sight`) compared a later
+// sighting with it by `saturating_sub`, which is 0 for an earlier sighting judged
+// *later*, so every later sighting of that ID in the partition was a duplicate until the
+// clock reached it (year 2100: forever), while a reader whose lookback started after the
+// far-ahead record did not see it at all. Now such a sighting is an item of its own
+// (`Chain::ahead`), remembered within a window of its reach (README, "What counts").
 #[test]
-#[ignore = "PRODUCT DEFECT: a chain keeps one latest record time, so a sighting judged far ahead hides the ones before it; the fix needs a second time per chain in the cache format (claim.lua, decide_shared, PrivateScope); see issue 16 note"]
 fn a_click_judged_far_ahead_makes_later_sightings_of_its_id_duplicates_while_the_cache_lives() {
     // W = 10, batches of 2: click 7 at 0; click 9 stamped days ahead; rejected records
     // move the clock past the window (recorded at boundaries 2 and 4); click 9 at 22.

@@ -31,7 +31,7 @@ use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
 use crate::click::Click;
 use crate::config::Settings;
 use crate::dedup::{
-    Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict,
+    Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict,
 };
 use crate::health::Health;
 use crate::position::{Scope, Start};
@@ -139,7 +139,7 @@ struct Reader {
     generation: u64,
     /// The first offset counted; records before it only rebuild dedup state.
     count_from: i64,
-    clock: PartitionClock,
+    clock: Timeline,
     scope: Scope,
     /// Recorded cross-partition decisions for the offsets this reader reads next, loaded
     /// a window at a time (`Planner::ensure_pins`) and dropped once read, so a replay of
@@ -159,12 +159,12 @@ impl Reader {
     /// the boundary after it if it ends a batch.
     fn crossing(&self, n: BatchOffsets, partition: i32, offset: i64) -> Option<Checkpoint> {
         let b = n.start_of(offset);
-        (b > self.last + 1).then_some(Checkpoint { partition, boundary: b, clock: self.clock })
+        (b > self.last + 1).then_some(Checkpoint { partition, boundary: b, clock: self.clock.clock })
     }
 
     fn batch_end(&self, n: BatchOffsets, partition: i32, offset: i64) -> Option<Checkpoint> {
         let next = offset + 1;
-        (n.start_of(next) == next).then_some(Checkpoint { partition, boundary: next, clock: self.clock })
+        (n.start_of(next) == next).then_some(Checkpoint { partition, boundary: next, clock: self.clock.clock })
     }
 }
 
@@ -230,7 +230,9 @@ struct Item {
     /// Its partition's clock just after it (below `clock` when it is judged ahead).
     now: Secs,
     /// Its partition's clock just before it: where a reader rewound to it starts.
-    clock_before: PartitionClock,
+    clock_before: Timeline,
+    /// The click judged ahead whose jump this record confirmed (offset, fingerprint).
+    confirms: Option<(i64, u128)>,
     /// Before the reader's first counted offset: it only rebuilds dedup state.
     warm: bool,
     fingerprint: Option<Fingerprint>,
@@ -380,13 +382,22 @@ impl Stages {
             self.clocks.extend(reader.crossing(n, p, r.offset));
             reader.last = r.offset;
             let clock_before = reader.clock;
-            let clock = reader.clock.tick(r.timestamp_ms);
-            self.clocks.extend(reader.batch_end(n, p, r.offset));
             let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id);
+            let read = reader.clock.read(r.offset, r.timestamp_ms, fingerprint.map(|f| f.0));
+            self.clocks.extend(reader.batch_end(n, p, r.offset));
             let warm = r.offset < reader.count_from;
             let generation = reader.generation;
-            let now = reader.clock.now();
-            items.push(Item { record: r, generation, clock, now, clock_before, warm, fingerprint, verdict: None });
+            items.push(Item {
+                record: r,
+                generation,
+                clock: read.time,
+                now: read.now,
+                clock_before,
+                confirms: read.confirms,
+                warm,
+                fingerprint,
+                verdict: None,
+            });
         }
         self.health.status().read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
         self.record_lag(&items);
@@ -395,10 +406,28 @@ impl Stages {
         let mut generations = Vec::new();
         for (idx, i) in items.iter_mut().enumerate() {
             let p = i.record.partition;
-            let Some(fp) = i.fingerprint else { continue };
             let o = i.record.offset;
             let reader = self.readers.get_mut(&p).expect("items come from readers");
+            if let Some((ahead, fp)) = i.confirms {
+                // Before this record's own claim: a retry of that click in it is judged
+                // against the confirmed reach.
+                let private =
+                    matches!(reader.scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
+                if private {
+                    self.private.confirm(p, fp, ahead, i.now);
+                }
+                let fills = matches!(reader.scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
+                if !private || fills {
+                    let sighting = Sighting { partition: p, offset: ahead, clock: i.clock, now: i.now };
+                    let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
+                    claims.push(Claim { fingerprint: Fingerprint(fp), sighting, mode });
+                    claimed.push(None);
+                    generations.push(i.generation);
+                }
+            }
+            let Some(fp) = i.fingerprint else { continue };
             let pin = reader.pins.get(o);
+            let sighting = Sighting { partition: p, offset: o, clock: i.clock, now: i.now };
             if let Scope::Private { resume } = reader.scope {
                 if resume.is_some_and(|r| o >= r.shared_from()) {
                     // The cache holds everything before this offset again: back to it.
@@ -406,19 +435,18 @@ impl Stages {
                     self.private.forget(p);
                     info!(partition = p, offset = o, "deciding through the dedup cache again");
                 } else {
-                    i.verdict = Some(self.private.sight_at(p, fp.0, i.clock, i.now, if i.warm { None } else { pin }));
+                    i.verdict = Some(self.private.sight_at(fp.0, sighting, if i.warm { None } else { pin }));
                     if resume.is_some_and(|r| r.fills_cache(o)) {
                         // The cache's last warm-up did not get this far: finish it.
-                        let sighting = Sighting { partition: p, offset: o, clock: i.clock };
-                        claims.push(Claim { fingerprint: fp, sighting, mode: ClaimMode { pin, warm: true } });
+                        let mode = ClaimMode { pin, warm: true, confirm: false };
+                        claims.push(Claim { fingerprint: fp, sighting, mode });
                         claimed.push(None);
                         generations.push(i.generation);
                     }
                     continue;
                 }
             }
-            let mode = ClaimMode { pin, warm: i.warm };
-            let sighting = Sighting { partition: p, offset: o, clock: i.clock };
+            let mode = ClaimMode { pin, warm: i.warm, confirm: false };
             claims.push(Claim { fingerprint: fp, sighting, mode });
             claimed.push(Some(idx));
             generations.push(i.generation);
@@ -428,7 +456,7 @@ impl Stages {
         for i in &items {
             let p = i.record.partition;
             if matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. })) {
-                let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock };
+                let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock, now: i.now };
                 last.insert(p, (sighting, i.generation));
             }
         }
@@ -454,7 +482,10 @@ impl Stages {
     /// log end (`behind`), `None` otherwise. A partition caught up with its log releases
     /// its hold however old its last record is: its next records are new traffic.
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
-        self.readers.iter().map(|(&p, r)| (p, hold(r.clock.now(), behind(p, r.last), self.max_record_lag))).collect()
+        self.readers
+            .iter()
+            .map(|(&p, r)| (p, hold(r.clock.clock.now(), behind(p, r.last), self.max_record_lag)))
+            .collect()
     }
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
@@ -464,7 +495,7 @@ impl Stages {
         let Prepared { mut items, claimed, .. } = prepared;
         let mut distrusted: BTreeMap<i32, (Distrust, u64)> = BTreeMap::new();
         // Per partition, the first sighting that must wait: (offset, clock before, generation).
-        let mut waits: BTreeMap<i32, (i64, PartitionClock, u64)> = BTreeMap::new();
+        let mut waits: BTreeMap<i32, (i64, Timeline, u64)> = BTreeMap::new();
         for (idx, v) in claimed.into_iter().zip(verdicts) {
             let Some(idx) = idx else { continue };
             items[idx].verdict = Some(v);
@@ -694,7 +725,7 @@ impl Reader {
         Reader {
             generation,
             count_from: start.count_from,
-            clock: start.clock,
+            clock: Timeline::new(start.clock),
             scope: start.scope,
             pins,
             last: start.read_from - 1,

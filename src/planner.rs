@@ -146,6 +146,15 @@ impl Planner {
             self.check_topic_identity(consumer, timeout).await?;
         }
         let all = source::partitions(consumer, &self.topic, timeout)?;
+        if all.iter().any(|&p| p >= crate::cache::MAX_PARTITIONS) {
+            return Err(PipelineError::Fatal(format!(
+                "kafka topic {} has {} partitions; the dedup cache holds partitions below {} (claim.lua's item \
+                 layout): split the topic",
+                self.topic,
+                all.len(),
+                crate::cache::MAX_PARTITIONS
+            )));
+        }
         self.shared()?.set_partition_count(all.len() as u32);
         // Every partition's committed position, not only ours: a warm-up must rebuild the
         // sightings the most lagging partition will still judge its copies against.

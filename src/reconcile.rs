@@ -20,7 +20,7 @@ use tracing::info;
 use crate::aggregate::BucketKey;
 use crate::click::Minute;
 use crate::config::Settings;
-use crate::dedup::{PartitionClock, Pin, PrivateScope};
+use crate::dedup::{Pin, PrivateScope, Sighting, Timeline};
 use crate::replay::parse_time_ms;
 use crate::sink::Sink;
 use crate::source::{self, RangeReader, Ranges};
@@ -110,15 +110,17 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     }
     let window = s.rules().window();
     let mut scope = PrivateScope::new(window);
-    let mut clocks: BTreeMap<i32, PartitionClock> = marks.iter().map(|(&p, m)| (p, m.lookback.1)).collect();
+    let mut clocks: BTreeMap<i32, Timeline> = marks.iter().map(|(&p, m)| (p, Timeline::new(m.lookback.1))).collect();
     let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
     let (mut scanned, mut warmup) = (0u64, 0u64);
     let mut reader = RangeReader::for_settings(s, "reconcile", &read)?;
     while let Some(batch) = reader.next_batch().await.context("reading the topic")? {
         for r in batch {
-            let partition_clock = clocks.entry(r.partition).or_default();
-            let clock = partition_clock.tick(r.timestamp_ms);
-            let now = partition_clock.now();
+            let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id.0);
+            let read = clocks.entry(r.partition).or_default().read(r.offset, r.timestamp_ms, fingerprint);
+            if let Some((ahead, fp)) = read.confirms {
+                scope.confirm(r.partition, fp, ahead, read.now);
+            }
             let counting = r.offset >= scan.partitions[&r.partition].0;
             if counting {
                 scanned += 1;
@@ -127,7 +129,8 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
             }
             let Ok(click) = r.outcome else { continue };
             let pin = if counting { pins[&r.partition].get(&r.offset).copied() } else { None };
-            let verdict = scope.sight_at(r.partition, click.click_id.0, clock, now, pin);
+            let sighting = Sighting { partition: r.partition, offset: r.offset, clock: read.time, now: read.now };
+            let verdict = scope.sight_at(click.click_id.0, sighting, pin);
             if counting && verdict.counts() && click.minute >= from && click.minute < to {
                 *expected.entry(BucketKey { ad_id: click.ad_id, minute: click.minute }).or_default() += 1;
             }

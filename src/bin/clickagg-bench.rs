@@ -253,7 +253,7 @@ fn claims(n: u64, fingerprints: &Fingerprinter) -> Vec<Claim> {
                 }
                 fp
             };
-            let sighting = Sighting { partition: (i % 4) as i32, offset: (i / 4) as i64, clock: now };
+            let sighting = Sighting::at((i % 4) as i32, (i / 4) as i64, now);
             Claim { fingerprint: fp, sighting, mode: ClaimMode::default() }
         })
         .collect()
@@ -462,7 +462,7 @@ async fn memory(redis_url: String, keys: u64, layout: Layout) -> anyhow::Result<
                 let chunk: Vec<Claim> = (start..(start + 2_000).min(keys))
                     .map(|i| {
                         let id = format!("{:032x}", rng.random::<u128>());
-                        let sighting = Sighting { partition: (i % 4) as i32, offset: (i / 4) as i64, clock: now };
+                        let sighting = Sighting::at((i % 4) as i32, (i / 4) as i64, now);
                         Claim { fingerprint: fingerprints.of(&id), sighting, mode: ClaimMode::default() }
                     })
                     .collect();

@@ -13,10 +13,15 @@
 -- new namespace and rebuilds it from the log (src/dedup/shared.rs).
 --
 -- Per namespace:
---   shard hashes   field = a fingerprint's low 88 bits (11 bytes); value = one 12-byte
---                  chain per partition that sighted the click, '>HI6I4': the partition
---                  (bit 15 set when the chain counted), the offset where the chain
---                  started, and the record time (s) of its latest sighting
+--   shard hashes   field = a fingerprint's low 88 bits (11 bytes); value = the items of
+--                  every partition that sighted the click: usually one 12-byte chain,
+--                  '>HI6I4': the partition (bit 15 set when the chain counted), the
+--                  offset where the chain started, and the record time (s) of its
+--                  latest sighting. Bit 14 marks a 17-byte item, '>HBI6I4I4', with a
+--                  flags byte (bits 0-1: its start counted 0, was a cross-partition
+--                  copy 1, or a duplicate 2; bit 2: a sighting judged ahead of its
+--                  partition's clock) and a reach: the partition clock it matters
+--                  within a window of (decide.rs, `Chain`). Partitions below 16 384.
 --   frontier       field = partition, value = '>I6I4I6': one past the highest offset of
 --                  that partition claimed through this group (0: none yet), the record
 --                  time there, and the offset
@@ -39,19 +44,38 @@
 
 local CHAIN = '>HI6I4'
 local CHAIN_SIZE = 12
+local LONG = '>HBI6I4I4'
+local LONG_SIZE = 17
 local FRONTIER = '>I6I4I6'
-local CLAIM = '>I4c11HI6I4B'
-local CLAIM_SIZE = 28
+local CLAIM = '>I4c11HI6I4I4B'
+local CLAIM_SIZE = 32
 local EXPECT = '>HI6'
 local EXPECT_SIZE = 8
 local COUNTED = 32768
+local LONG_BIT = 16384
+-- An item's start: what its first sighting was.
+local COUNTS, CROSS, DUP = 0, 1, 2
 
+-- Items as tables: p, counted, first, seen, start, ahead (boolean), reach.
 local function chains_of(v)
   local chains = {}
   if v then
-    for j = 1, #v, CHAIN_SIZE do
-      local pc, first, seen = struct.unpack(CHAIN, v, j)
-      chains[#chains + 1] = {p = pc % COUNTED, counted = pc >= COUNTED, first = first, seen = seen}
+    local j = 1
+    while j <= #v do
+      local pc = struct.unpack('>H', v, j)
+      local c
+      if pc % COUNTED >= LONG_BIT then
+        local _, flags, first, seen, reach = struct.unpack(LONG, v, j)
+        c = {p = pc % LONG_BIT, counted = pc >= COUNTED, first = first, seen = seen,
+             start = flags % 4, ahead = flags >= 4, reach = reach}
+        j = j + LONG_SIZE
+      else
+        local _, first, seen = struct.unpack(CHAIN, v, j)
+        c = {p = pc % COUNTED, counted = pc >= COUNTED, first = first, seen = seen,
+             start = pc >= COUNTED and COUNTS or CROSS, ahead = false, reach = seen}
+        j = j + CHAIN_SIZE
+      end
+      chains[#chains + 1] = c
     end
   end
   return chains
@@ -62,7 +86,14 @@ local function pack(chains)
   for j, c in ipairs(chains) do
     local pc = c.p
     if c.counted then pc = pc + COUNTED end
-    parts[j] = struct.pack(CHAIN, pc, c.first, c.seen)
+    -- A plain chain (its start counted, or a copy that did not) keeps the short form.
+    if not c.ahead and c.start ~= DUP then
+      parts[j] = struct.pack(CHAIN, pc, c.first, c.seen)
+    else
+      local flags = c.start
+      if c.ahead then flags = flags + 4 end
+      parts[j] = struct.pack(LONG, pc + LONG_BIT, flags, c.first, c.seen, c.reach)
+    end
   end
   return table.concat(parts)
 end
@@ -78,34 +109,77 @@ local function lost(why, detail)
   return {'LOST', '', why .. ':' .. (detail or '')}
 end
 
+-- The verdict of an item's first sighting, read again.
+local function start_again(c, pinned, uncounted, xkey, o)
+  if pinned then return uncounted and 'd' or 'X'
+  elseif c.start == COUNTS then return 'O'
+  elseif c.start == DUP then return c.counted and 'D' or 'd'
+  elseif cached_pin(xkey, o) then return 'X'
+  else return 'U' end
+end
+
+-- Whether a fresh sighting at record time `clock` (partition clock `now` after it) lies
+-- within the window after item `c`: a chain's latest sighting, or a sighting judged
+-- ahead while the clock is within the window of its reach.
+local function matches(c, clock, now, window)
+  if not c.ahead then return clock - c.seen <= window end
+  return c.seen <= clock and clock - c.seen <= window and now - window <= c.reach
+end
+
 -- A fresh sighting whose verdict depends on other partitions' chains (it would start
 -- a chain): `blocked(p)` says whether a partition other than `p` is not ready, in which case
--- the claim waits ('W') and changes nothing.
+-- the claim waits ('W') and changes nothing. `clock > now`: the sighting is judged ahead
+-- of its partition's clock, and is kept as an item of its own.
 --
 -- Returns the verdict byte, or nil when it must wait.
-local function decide(key, field, v, p, o, clock, reread, exact, pinned, uncounted, warm, window, xkey, blocked)
+local function decide(key, field, v, p, o, clock, now, reread, exact, pinned, uncounted, warm, window, xkey, blocked)
   local chains = chains_of(v)
   local mine = nil
   for j, c in ipairs(chains) do
-    if c.p == p then mine = j end
+    if c.p == p and not c.ahead then mine = j end
   end
   if reread then
+    if o < exact then return 'U' end
+    for _, c in ipairs(chains) do
+      if c.p == p and c.ahead and c.first == o then return start_again(c, pinned, uncounted, xkey, o) end
+    end
     local c = mine and chains[mine]
-    if o < exact or not c then return 'U'
+    if not c then return 'U'
     elseif pinned then return uncounted and 'd' or 'X'
-    elseif o == c.first and c.counted then return 'O'
+    elseif o == c.first then return start_again(c, pinned, uncounted, xkey, o)
     elseif o > c.first then return c.counted and 'D' or 'd'
     elseif cached_pin(xkey, o) then return 'X'
     else return 'U' end
   end
-  if mine and clock - chains[mine].seen <= window then
-    local c = chains[mine]
-    if clock > c.seen then
-      c.seen = clock
-      redis.call('HSET', key, field, pack(chains))
+  local ahead = clock > now
+  local in_chain = mine and matches(chains[mine], clock, now, window)
+  local matched, counted = in_chain, in_chain and chains[mine].counted
+  for _, c in ipairs(chains) do
+    if c.p == p and c.ahead and matches(c, clock, now, window) then
+      matched = true
+      if c.counted then counted = true end
     end
+  end
+  if matched then
+    local item = {p = p, counted = counted, first = o, seen = clock, start = DUP, ahead = false, reach = clock}
+    if ahead then
+      item.ahead, item.reach = true, now
+      chains[#chains + 1] = item
+    elseif in_chain then
+      local c = chains[mine]
+      if clock <= c.seen then
+        if pinned then return uncounted and 'd' or 'X' end
+        return counted and 'D' or 'd'
+      end
+      c.seen = clock
+    elseif mine then
+      chains[mine] = item
+    else
+      chains[#chains + 1] = item
+    end
+    redis.call('HSET', key, field, pack(chains))
     if pinned then return uncounted and 'd' or 'X' end
-    return c.counted and 'D' or 'd'
+    return counted and 'D' or 'd'
   end
   local cross = pinned
   if not pinned and not warm then
@@ -116,8 +190,9 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, uncount
       if c.p ~= p and c.counted and gap <= window then cross = true end
     end
   end
-  local c = {p = p, counted = not cross, first = o, seen = clock}
-  if mine then chains[mine] = c else chains[#chains + 1] = c end
+  local c = {p = p, counted = not cross, first = o, seen = clock, start = cross and CROSS or COUNTS,
+             ahead = ahead, reach = ahead and now or clock}
+  if ahead or not mine then chains[#chains + 1] = c else chains[mine] = c end
   redis.call('HSET', key, field, pack(chains))
   if not cross then return 'F' end
   if pinned then return uncounted and 'd' or 'X' end
@@ -125,14 +200,32 @@ local function decide(key, field, v, p, o, clock, reread, exact, pinned, uncount
   return 'X'
 end
 
+-- The record after the sighting judged ahead at offset `o` confirmed its jump: that
+-- sighting reaches from the clock `now` on.
+local function confirm(key, field, p, o, now)
+  local v = redis.call('HGET', key, field)
+  if not v then return end
+  local chains = chains_of(v)
+  for _, c in ipairs(chains) do
+    if c.p == p and c.ahead and c.first == o and now > c.reach then
+      c.reach = now
+      redis.call('HSET', key, field, pack(chains))
+      return
+    end
+  end
+end
+
 -- KEYS[1] = the group's namespace key, KEYS[2] = the namespace's frontier hash,
 -- KEYS[3 .. m+2] = the x sorted sets of the partitions named in ARGV[4], KEYS[m+3 ..]
 -- = shard hashes.
 -- ARGV[1] = the namespace the caller uses; ARGV[2] = the window (s); ARGV[3] = claims
 --   packed back to back, each: key index into KEYS (u32, 1-based), field (11 bytes),
---   partition (u16), offset (u48), record time (u32, s), mode (u8: bit 0 = pinned at its
---   first read, bit 1 = a warm-up sighting, decided within its partition, bit 2 = the pin
---   is 'd', not 'X'); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
+--   partition (u16), offset (u48), record time (u32, s), the partition's clock just after
+--   the record (u32, s: below the record time for a sighting judged ahead of the clock),
+--   mode (u8: bit 0 = pinned at its first read, bit 1 = a warm-up sighting, decided
+--   within its partition, bit 2 = the pin is 'd', not 'X', bit 3 = not a sighting but a
+--   confirmation: the sighting judged ahead at this offset reaches from the clock given
+--   on; answered 'F', not used); ARGV[4] = the partitions of KEYS[3 .. m+2], comma-separated;
 --   ARGV[5] = the marks, packed back to back, each '>HI6I4': a partition of the poll
 --   batch, its highest offset read in the batch (claimed in any group, or a record that
 --   is no click) and that record's
@@ -226,19 +319,27 @@ local function claim(keys, args)
   local waiting = {}    -- partition -> the offset of its first claim that had to wait
   local out = {}
   for i = 0, #blob / CLAIM_SIZE - 1 do
-    local ki, field, p, o, clock, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
+    local ki, field, p, o, clock, now, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
     local pinned = mode % 2 == 1
     local warm = mode % 4 >= 2
-    local uncounted = mode >= 4
+    local uncounted = mode % 8 >= 4
+    local confirming = mode >= 8
     local f = frontier[p]
     if f == nil then f = load(p) end
     local key = keys[ki]
     local reread = o <= f
+    -- Judged ahead of its partition's clock: never a plain chain (`decide`).
+    local plain = clock <= now
     local verdict
     if waiting[p] then
       verdict = nil
+    elseif confirming then
+      -- Not a sighting: it moves no frontier, and its verdict is not used.
+      confirm(key, field, p, o, now)
+      verdict = 'F'
+      o = f
     -- The common case first, in one scan of the hash: a click nobody has sighted.
-    elseif not reread and not pinned and (warm or not blocked_for(p))
+    elseif plain and not reread and not pinned and (warm or not blocked_for(p))
         and call('HSETNX', key, field, pack_(CHAIN, p + COUNTED, o, clock)) == 1 then
       verdict = 'F'
     else
@@ -246,7 +347,7 @@ local function claim(keys, args)
       local single = v and #v == CHAIN_SIZE
       local pc, first, seen
       if single then pc, first, seen = unpack_(CHAIN, v) end
-      if single and pc % COUNTED == p then
+      if single and plain and pc % COUNTED == p then
         -- The other common case: the click sighted in this partition only.
         if reread then
           if o < exact[p] then verdict = 'U'
@@ -270,7 +371,7 @@ local function claim(keys, args)
           verdict = 'F'
         end
       else
-        verdict = decide(key, field, v, p, o, clock, reread, exact[p], pinned, uncounted, warm, window, xkeys[p], blocked_for)
+        verdict = decide(key, field, v, p, o, clock, now, reread, exact[p], pinned, uncounted, warm, window, xkeys[p], blocked_for)
       end
     end
     if verdict == nil then
@@ -280,7 +381,7 @@ local function claim(keys, args)
       out[i + 1] = verdict
       if o > f then
         frontier[p] = o
-        touched[p] = clock
+        touched[p] = now
       else
         frontier[p] = f
       end
@@ -313,9 +414,10 @@ local function claim(keys, args)
   return {'OK', table.concat(out), named}
 end
 
--- KEYS = shard hashes of one group; ARGV[1] = cutoff (s). Drops the chains last seen
--- before the cutoff (no reader can need them: see `SharedCache::sweep`), and entries
--- left with none; returns how many chains went.
+-- KEYS = shard hashes of one group; ARGV[1] = cutoff (s). Drops the items whose reach
+-- lies before the cutoff (a chain's latest sighting; for a sighting judged ahead, the
+-- clock it was read at or confirmed to: no reader can need them, see
+-- `SharedCache::sweep`), and entries left with none; returns how many items went.
 local function sweep(keys, args)
   local cutoff = tonumber(args[1])
   local removed = 0
@@ -326,7 +428,7 @@ local function sweep(keys, args)
       local chains = chains_of(all[j + 1])
       local kept = {}
       for _, c in ipairs(chains) do
-        if c.seen >= cutoff then kept[#kept + 1] = c end
+        if c.reach >= cutoff then kept[#kept + 1] = c end
       end
       if #kept < #chains then
         removed = removed + #chains - #kept

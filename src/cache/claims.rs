@@ -16,7 +16,7 @@ use crate::dedup::{Claim, Pin, Secs, Sighting, Verdict};
 use crate::position::CacheFrontier;
 
 /// Bytes of one packed claim (`claim.lua`, `CLAIM`).
-const CLAIM_SIZE: usize = 28;
+const CLAIM_SIZE: usize = 32;
 
 /// One group's answer to a claim call: `OK` or `LOST`, a verdict byte per claim, and the
 /// partitions that are not ready (or, when lost, why).
@@ -55,10 +55,12 @@ impl SharedCache {
             blob.extend_from_slice(&(s.partition as u16).to_be_bytes());
             blob.extend_from_slice(&(s.offset as u64).to_be_bytes()[2..]);
             blob.extend_from_slice(&s.clock.to_be_bytes());
+            blob.extend_from_slice(&s.now.to_be_bytes());
             blob.push(
                 u8::from(c.mode.pin.is_some())
                     | u8::from(c.mode.warm) << 1
-                    | u8::from(c.mode.pin == Some(Pin::Uncounted)) << 2,
+                    | u8::from(c.mode.pin == Some(Pin::Uncounted)) << 2
+                    | u8::from(c.mode.confirm) << 3,
             );
         }
         // The namespace and the key prefix once per call, and one buffer for every shard
@@ -113,15 +115,15 @@ impl SharedCache {
         for (i, c) in claims.iter().enumerate() {
             by_group[self.group_of(c.fingerprint.shard(self.shards)) as usize].push(i);
             let s = c.sighting;
-            let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
+            let mark = marks.entry(s.partition).or_insert((s.offset, s.now));
             if s.offset >= mark.0 {
-                *mark = (s.offset, s.clock);
+                *mark = (s.offset, s.now);
             }
         }
         for s in reached {
-            let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
+            let mark = marks.entry(s.partition).or_insert((s.offset, s.now));
             if s.offset >= mark.0 {
-                *mark = (s.offset, s.clock);
+                *mark = (s.offset, s.now);
             }
         }
         let mut mark_blob = Vec::with_capacity(marks.len() * 12);

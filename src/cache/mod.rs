@@ -44,5 +44,8 @@ mod upkeep;
 
 pub use claimer::{Claimer, Verdicts};
 pub use error::{DedupError, Lost, Recovery};
+
+/// Partitions the cache can hold: claim.lua keeps a partition in 14 bits of an item.
+pub const MAX_PARTITIONS: i32 = 16_384;
 pub use shared::SharedCache;
 pub use target::{slot_of, RedisTarget, Wait};

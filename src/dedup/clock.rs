@@ -50,21 +50,32 @@ impl PartitionClock {
     /// own timestamp when it jumps too far ahead to move the clock alone. Records without
     /// a timestamp (or with one outside 1970..2106) leave the clock where it is.
     pub fn tick(&mut self, record_ts_ms: Option<i64>) -> Secs {
-        let Some(t) = record_ts_ms.and_then(secs_of_millis) else { return self.now() };
+        self.tick_confirming(record_ts_ms).0
+    }
+
+    /// [`tick`](Self::tick), and whether the record confirmed the jump the record before
+    /// it made (the clock moved to it): that record's sighting is then remembered from
+    /// the clock it moved to (README, "What counts").
+    pub fn tick_confirming(&mut self, record_ts_ms: Option<i64>) -> (Secs, bool) {
+        let Some(t) = record_ts_ms.and_then(secs_of_millis) else { return (self.now(), false) };
+        let mut confirmed = false;
         match self.now {
             // The first record of the partition sets the clock.
             None => *self = PartitionClock::at(Some(t)),
             Some(c) if t <= c.saturating_add(CLOCK_JUMP) => *self = PartitionClock::at(Some(c.max(t))),
             Some(c) => match self.pending {
                 // The second of two records stamped alike far ahead: a real jump.
-                Some(p) if t.abs_diff(p) <= CLOCK_JUMP => *self = PartitionClock::at(Some(c.max(t.min(p)))),
+                Some(p) if t.abs_diff(p) <= CLOCK_JUMP => {
+                    *self = PartitionClock::at(Some(c.max(t.min(p))));
+                    confirmed = true;
+                }
                 _ => {
                     self.pending = Some(t);
-                    return t;
+                    return (t, false);
                 }
             },
         }
-        self.now()
+        (self.now(), confirmed)
     }
 
     /// The record time reached (0 before any timestamped record).
@@ -78,6 +89,49 @@ impl PartitionClock {
 
     pub fn pending(&self) -> Option<Secs> {
         self.pending
+    }
+}
+
+/// A partition's clock as a reader keeps it, with the click judged ahead of it whose
+/// jump the next timestamped record may still confirm (offset, fingerprint): when that
+/// record does, the click's sighting reaches from the clock it moved to (README, "What
+/// counts"), and the reader says so to its dedup state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Timeline {
+    pub clock: PartitionClock,
+    unconfirmed: Option<(i64, u128)>,
+}
+
+/// One record on its partition's timeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Read {
+    /// Its record time.
+    pub time: Secs,
+    /// The partition's clock just after it: below `time` when it is judged ahead.
+    pub now: Secs,
+    /// The click judged ahead whose jump this record confirmed (offset, fingerprint).
+    pub confirms: Option<(i64, u128)>,
+}
+
+impl Timeline {
+    /// From a clock, without a click waiting for confirmation (a reader starting at a
+    /// recorded boundary that has no jump pending, or one that cannot matter: see
+    /// `planner::marks`).
+    pub fn new(clock: PartitionClock) -> Timeline {
+        Timeline { clock, unconfirmed: None }
+    }
+
+    /// Advances past the record at `offset` (a click with fingerprint `click`, if valid).
+    pub fn read(&mut self, offset: i64, record_ts_ms: Option<i64>, click: Option<u128>) -> Read {
+        let (time, confirmed) = self.clock.tick_confirming(record_ts_ms);
+        let now = self.clock.now();
+        let mut confirms = None;
+        if record_ts_ms.and_then(secs_of_millis).is_some() {
+            // Only the timestamped record right after a jump can confirm it.
+            let before = std::mem::replace(&mut self.unconfirmed, click.filter(|_| time > now).map(|fp| (offset, fp)));
+            confirms = before.filter(|_| confirmed);
+        }
+        Read { time, now, confirms }
     }
 }
 
@@ -145,5 +199,19 @@ mod tests {
         ticks(&mut head, &ts[..2]);
         let mut resumed = PartitionClock::from_parts(head.get(), head.pending());
         assert_eq!(ticks(&mut resumed, &ts[2..]), all[2..].to_vec());
+    }
+
+    #[test]
+    fn a_timeline_names_the_click_whose_jump_the_next_stamped_record_confirms() {
+        let mut line = Timeline::new(PartitionClock::at(Some(1_000)));
+        let jump = i64::from(1_000 + 2 * CLOCK_JUMP) * 1000;
+        assert_eq!(line.read(7, Some(jump), Some(42)).confirms, None);
+        assert_eq!(line.read(8, None, Some(43)).confirms, None, "no timestamp: confirms nothing");
+        assert_eq!(line.read(9, Some(jump + 1_000), None).confirms, Some((7, 42)));
+        // A jump that the next record does not confirm names nothing.
+        let far = 4_102_444_800_000;
+        let mut line = Timeline::new(PartitionClock::at(Some(1_000)));
+        line.read(1, Some(far), Some(42));
+        assert_eq!(line.read(2, Some(1_001_000), Some(43)).confirms, None);
     }
 }

@@ -13,7 +13,7 @@
 use super::fingerprint::Fingerprint;
 use std::collections::HashMap;
 
-use super::clock::{PartitionClock, Secs};
+use super::clock::{Secs, Timeline};
 
 /// What one sighting of a click ID comes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -97,17 +97,41 @@ impl Pin {
     }
 }
 
-/// What the cache knows of one click ID in one partition: the chain of sightings that
-/// are each within the window of the one before, which started at offset `first` and
-/// last saw the click at record time `last_seen`; `counted` when `first` counted (it
-/// was not a copy of a click counted on another partition). A cache entry holds one
-/// chain per partition that sighted the click (usually one).
+/// What the cache knows of one click ID in one partition: a chain of sightings, each
+/// within the window of the one before, which started at offset `first` and last saw the
+/// click at record time `last_seen` — or one sighting judged ahead of its partition's
+/// clock (`ahead`). A cache entry holds the items of every partition that sighted the
+/// click (usually one chain).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Chain {
     pub partition: i32,
     pub first: i64,
+    /// What the sighting at `first` was.
+    pub start: Start,
+    /// The click counted in this partition: the chain's start counted, or the sighting it
+    /// continues did. A later sighting is a [`Verdict::Duplicate`] of a counted chain and
+    /// a [`Verdict::UncountedDuplicate`] of one that is not.
     pub counted: bool,
     pub last_seen: Secs,
+    /// `Some(reach)` for a sighting judged at its own timestamp, more than an hour ahead
+    /// of its partition's clock (README, "What counts"): `first` is that sighting and
+    /// `last_seen` its record time; it matters to later sightings only while the
+    /// partition's clock stays within the window of `reach` — the clock it was read at,
+    /// or the one the next record moved the clock to when it confirmed the jump. So one
+    /// record stamped in the year 2100 is forgotten a window later, like any other, and
+    /// hides none of the sightings before it.
+    pub ahead: Option<Secs>,
+}
+
+/// What the first sighting of a chain was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// It counted.
+    Counted,
+    /// A copy of a click counted on another partition (or pinned as not counted).
+    Cross,
+    /// A duplicate: the chain continues a sighting judged ahead.
+    Duplicate,
 }
 
 impl Chain {
@@ -119,14 +143,59 @@ impl Chain {
             Verdict::UncountedDuplicate
         }
     }
+
+    /// Until when, in the partition's record time, a later sighting can match it: the
+    /// sweeper deletes it once that lies far enough behind.
+    pub fn reach(&self) -> Secs {
+        self.ahead.unwrap_or(self.last_seen)
+    }
+
+    /// The verdict of its first sighting, read again.
+    fn start_again(&self, mode: ClaimMode, cached_pin: bool) -> Verdict {
+        match (mode.pin, self.start) {
+            (Some(pin), _) => pin.verdict(),
+            (None, Start::Counted) => Verdict::Own,
+            (None, Start::Duplicate) => self.duplicate(),
+            // Claimed again before its pin was durable (a retry, a crash between the
+            // calls of one batch): the cache kept the decision.
+            (None, Start::Cross) if cached_pin => Verdict::CrossDuplicate,
+            (None, Start::Cross) => Verdict::Undecidable,
+        }
+    }
+
+    /// Whether a fresh sighting `s` lies within the window after it (`s.clock − W ≤
+    /// last_seen ≤ s.clock`) while the partition's clock is within the window of its
+    /// reach. For a chain the second holds whenever the first does.
+    fn matches(&self, s: Sighting, window: Secs) -> bool {
+        match self.ahead {
+            None => s.clock.saturating_sub(self.last_seen) <= window,
+            Some(reach) => {
+                self.last_seen <= s.clock && s.clock - self.last_seen <= window && s.now.saturating_sub(window) <= reach
+            }
+        }
+    }
 }
 
-/// One sighting of a click ID: where it is and its record time.
+/// One sighting of a click ID: where it is, its record time `clock`, and its partition's
+/// clock just after it, `now` — below `clock` for a record judged ahead of the clock.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Sighting {
     pub partition: i32,
     pub offset: i64,
     pub clock: Secs,
+    pub now: Secs,
+}
+
+impl Sighting {
+    /// A sighting on its partition's clock.
+    pub fn at(partition: i32, offset: i64, clock: Secs) -> Sighting {
+        Sighting { partition, offset, clock, now: clock }
+    }
+
+    /// Judged at its own timestamp, more than an hour ahead of its partition's clock.
+    pub fn is_ahead(&self) -> bool {
+        self.clock > self.now
+    }
 }
 
 /// What the cache knows of a partition's reads: the highest offset claimed, and the
@@ -147,6 +216,10 @@ pub struct ClaimMode {
     /// A warm-up sighting (not counted now). It was decided within its partition at its
     /// first read unless pinned, so no cross-partition check is made for it.
     pub warm: bool,
+    /// Not a sighting: the record after the sighting judged ahead at this offset
+    /// confirmed its jump, so that sighting reaches from the clock `now` on. Its verdict
+    /// is not used.
+    pub confirm: bool,
 }
 
 /// What `claim.lua` does with one sighting: the verdict, after updating `entry` (the
@@ -166,45 +239,70 @@ pub fn decide_shared(
     others_ready: bool,
     window: Secs,
 ) -> Verdict {
+    let p = s.partition;
+    if mode.confirm {
+        if let Some(c) = entry.iter_mut().find(|c| c.partition == p && c.ahead.is_some() && c.first == s.offset) {
+            c.ahead = c.ahead.map(|reach| reach.max(s.now));
+        }
+        return Verdict::First;
+    }
     let reread = frontier.is_some_and(|f| s.offset <= f.claimed);
-    let mine = entry.iter().position(|c| c.partition == s.partition);
+    let mine = entry.iter().position(|c| c.partition == p && c.ahead.is_none());
     if reread {
         if frontier.is_some_and(|f| s.offset < f.exact_from) {
             return Verdict::Undecidable;
         }
+        if let Some(ahead) = entry.iter().find(|c| c.partition == p && c.ahead.is_some() && c.first == s.offset) {
+            return ahead.start_again(mode, cached_pin);
+        }
         let Some(chain) = mine.map(|i| entry[i]) else { return Verdict::Undecidable };
         return match mode.pin {
             Some(pin) => pin.verdict(),
-            None if s.offset == chain.first && chain.counted => Verdict::Own,
+            None if s.offset == chain.first => chain.start_again(mode, cached_pin),
             // A later sighting of the chain: it did not count.
             None if s.offset > chain.first => chain.duplicate(),
-            // Claimed again before its pin was durable (a retry, a crash between the
-            // calls of one batch): the cache kept the decision.
             None if cached_pin => Verdict::CrossDuplicate,
-            // The chain's uncounted start without its pin, or a sighting from before the
-            // chain (more than a window before it): the cache cannot say.
+            // A sighting from before the chain (more than a window before it): the cache
+            // cannot say.
             None => Verdict::Undecidable,
         };
     }
-    if let Some(i) = mine {
-        let chain = &mut entry[i];
-        if s.clock.saturating_sub(chain.last_seen) <= window {
-            chain.last_seen = chain.last_seen.max(s.clock);
-            return mode.pin.map_or(chain.duplicate(), Pin::verdict);
+    let in_chain = mine.filter(|&i| entry[i].matches(s, window));
+    // Of this partition's sightings judged ahead, the ones within the window before it
+    // (the counted kind wins: the click counted in this partition).
+    let of_ahead = entry
+        .iter()
+        .filter(|c| c.partition == p && c.ahead.is_some() && c.matches(s, window))
+        .map(|c| c.counted)
+        .reduce(|a, b| a || b);
+    if in_chain.is_some() || of_ahead.is_some() {
+        let counted = in_chain.is_some_and(|i| entry[i].counted) || of_ahead == Some(true);
+        let item =
+            Chain { partition: p, first: s.offset, start: Start::Duplicate, counted, last_seen: s.clock, ahead: None };
+        match in_chain {
+            _ if s.is_ahead() => entry.push(Chain { ahead: Some(s.now), ..item }),
+            Some(i) => entry[i].last_seen = entry[i].last_seen.max(s.clock),
+            // It continues a sighting judged ahead: a chain of its own from here.
+            None => match mine {
+                Some(i) => entry[i] = item,
+                None => entry.push(item),
+            },
         }
+        let verdict = if counted { Verdict::Duplicate } else { Verdict::UncountedDuplicate };
+        return mode.pin.map_or(verdict, Pin::verdict);
     }
     let cross = match mode.pin {
         Some(_) => true,
         None if mode.warm => false,
         None if !others_ready => return Verdict::Wait,
-        None => {
-            entry.iter().any(|c| c.partition != s.partition && c.counted && s.clock.abs_diff(c.last_seen) <= window)
-        }
+        None => entry.iter().any(|c| c.partition != p && c.counted && s.clock.abs_diff(c.last_seen) <= window),
     };
-    let chain = Chain { partition: s.partition, first: s.offset, counted: !cross, last_seen: s.clock };
+    let start = if cross { Start::Cross } else { Start::Counted };
+    let item = Chain { partition: p, first: s.offset, start, counted: !cross, last_seen: s.clock, ahead: None };
     match mine {
-        Some(i) => entry[i] = chain,
-        None => entry.push(chain),
+        _ if s.is_ahead() => entry.push(Chain { ahead: Some(s.now), ..item }),
+        Some(i) => entry[i] = item,
+        None => entry.push(item),
     }
     match mode.pin {
         // A warm-up (or a re-read) starting inside a chain that did not count.
@@ -216,7 +314,8 @@ pub fn decide_shared(
 
 /// The dedup state a reader rebuilt from the log (replay, reconcile, a member that
 /// cannot trust the cache): per partition, the record time of each click ID's latest
-/// sighting. Cross-partition decisions come from the recorded pins, never from order.
+/// sighting on the clock, and the sightings judged ahead of it. Cross-partition
+/// decisions come from the recorded pins, never from order.
 #[derive(Debug)]
 pub struct PrivateScope {
     window: Secs,
@@ -226,6 +325,9 @@ pub struct PrivateScope {
 #[derive(Debug, Default)]
 struct PartitionSightings {
     last_seen: HashMap<u128, Secs>,
+    /// Sightings judged ahead of the clock (rare): per click ID, (offset, record time,
+    /// reach) as in [`Chain::ahead`].
+    ahead: HashMap<u128, Vec<(i64, Secs, Secs)>>,
     /// The clock at the last collection of sightings older than the window.
     collected_at: Secs,
 }
@@ -235,34 +337,58 @@ impl PrivateScope {
         PrivateScope { window, partitions: HashMap::new() }
     }
 
-    /// Decides one sighting of `fingerprint` in `partition` at record time `clock`, where
-    /// the record time is the partition's clock; `pin` is the recorded cross-partition
-    /// decision for it, if any. Warm-up reads use the same call and ignore the verdict.
+    /// Decides one sighting of `fingerprint` on its partition's clock; `pin` is the
+    /// recorded cross-partition decision for it, if any. Warm-up reads use the same call
+    /// and ignore the verdict.
     pub fn sight(&mut self, partition: i32, fingerprint: u128, clock: Secs, pin: Option<Pin>) -> Verdict {
-        self.sight_at(partition, fingerprint, clock, clock, pin)
+        self.sight_at(fingerprint, Sighting::at(partition, 0, clock), pin)
     }
 
-    /// [`PrivateScope::sight`] for a record whose time `clock` may lie ahead of its
-    /// partition's clock `now` (after the record: a record judged at its own timestamp,
-    /// stamped too far ahead to move the clock alone). Only `now` says which sightings
-    /// no later record can be within the window of: a record time judged ahead says
-    /// nothing of the records after it.
-    pub fn sight_at(&mut self, partition: i32, fingerprint: u128, clock: Secs, now: Secs, pin: Option<Pin>) -> Verdict {
+    /// Decides one sighting `s` of `fingerprint` — on the clock, or judged ahead of it
+    /// (`s.now < s.clock`). Only the clock says which sightings no later record can be
+    /// within the window of: a record time judged ahead says nothing of the records after
+    /// it.
+    pub fn sight_at(&mut self, fingerprint: u128, s: Sighting, pin: Option<Pin>) -> Verdict {
         let window = self.window;
-        let state = self.partitions.entry(partition).or_default();
+        let now = s.now;
+        let state = self.partitions.entry(s.partition).or_default();
         if now.saturating_sub(state.collected_at) > window {
             // Sightings older than a window before the clock can never matter again: the
             // clock only grows.
             state.last_seen.retain(|_, seen| now.saturating_sub(*seen) <= window);
+            state.ahead.retain(|_, v| {
+                v.retain(|&(_, _, reach)| now.saturating_sub(reach) <= window);
+                !v.is_empty()
+            });
             state.collected_at = now;
         }
-        let previous = state.last_seen.insert(fingerprint, clock);
-        if let Some(pin) = pin {
-            return pin.verdict();
+        let duplicate = state.last_seen.get(&fingerprint).is_some_and(|&seen| s.clock.saturating_sub(seen) <= window)
+            || state.ahead.get(&fingerprint).is_some_and(|v| {
+                v.iter().any(|&(_, seen, reach)| {
+                    seen <= s.clock && s.clock - seen <= window && now.saturating_sub(window) <= reach
+                })
+            });
+        if s.is_ahead() {
+            state.ahead.entry(fingerprint).or_default().push((s.offset, s.clock, now));
+        } else {
+            let seen = state.last_seen.entry(fingerprint).or_insert(s.clock);
+            *seen = (*seen).max(s.clock);
         }
-        match previous {
-            Some(seen) if clock.saturating_sub(seen) <= window => Verdict::Duplicate,
-            _ => Verdict::First,
+        match pin {
+            Some(pin) => pin.verdict(),
+            None if duplicate => Verdict::Duplicate,
+            None => Verdict::First,
+        }
+    }
+
+    /// The record after the sighting of `fingerprint` judged ahead at `offset` confirmed
+    /// its jump: it reaches from the clock `now` on ([`ClaimMode::confirm`]).
+    pub fn confirm(&mut self, partition: i32, fingerprint: u128, offset: i64, now: Secs) {
+        let Some(state) = self.partitions.get_mut(&partition) else { return };
+        for sighting in state.ahead.get_mut(&fingerprint).into_iter().flatten() {
+            if sighting.0 == offset {
+                sighting.2 = sighting.2.max(now);
+            }
         }
     }
 
@@ -273,7 +399,7 @@ impl PrivateScope {
 
     /// Sightings held, for metrics and tests.
     pub fn len(&self) -> usize {
-        self.partitions.values().map(|p| p.last_seen.len()).sum()
+        self.partitions.values().map(|p| p.last_seen.len() + p.ahead.values().map(Vec::len).sum::<usize>()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -285,13 +411,17 @@ impl PrivateScope {
 /// offsets count. A record is `(offset, record timestamp ms, Some(click fingerprint))`
 /// for a valid click or `None` for a rejected one. Used as the reference in tests.
 pub fn counted_offsets(log: &[(i64, Option<i64>, Option<u128>)], window: Secs) -> Vec<i64> {
-    let mut clock = PartitionClock::default();
+    let mut timeline = Timeline::default();
     let mut scope = PrivateScope::new(window);
     let mut out = Vec::new();
     for &(offset, ts, click) in log {
-        let at = clock.tick(ts);
+        let read = timeline.read(offset, ts, click);
+        let s = Sighting { partition: 0, offset, clock: read.time, now: read.now };
+        if let Some((o, fp)) = read.confirms {
+            scope.confirm(0, fp, o, s.now);
+        }
         if let Some(fp) = click {
-            if scope.sight_at(0, fp, at, clock.now(), None).counts() {
+            if scope.sight_at(fp, s, None).counts() {
                 out.push(offset);
             }
         }
@@ -326,11 +456,12 @@ mod tests {
     const W: Secs = 60;
 
     fn at(partition: i32, offset: i64, clock: Secs) -> Sighting {
-        Sighting { partition, offset, clock }
+        Sighting::at(partition, offset, clock)
     }
 
     fn chain(partition: i32, first: i64, counted: bool, last_seen: Secs) -> Chain {
-        Chain { partition, first, counted, last_seen }
+        let start = if counted { Start::Counted } else { Start::Cross };
+        Chain { partition, first, start, counted, last_seen, ahead: None }
     }
 
     fn live() -> ClaimMode {
@@ -457,7 +588,7 @@ mod tests {
         // A warm-up that starts at that retry (the copy before its lookback) rebuilds the
         // chain as one that did not count: a copy on partition 1 then counts.
         let mut rebuilt = Vec::new();
-        let warm = ClaimMode { pin: Some(Pin::Uncounted), warm: true };
+        let warm = ClaimMode { pin: Some(Pin::Uncounted), warm: true, ..ClaimMode::default() };
         assert_eq!(
             decide_shared(&mut rebuilt, at(0, 8, 1_090), None, warm, false, true, W),
             Verdict::UncountedDuplicate
@@ -473,7 +604,7 @@ mod tests {
             "a copy of a copy"
         );
         let mut warm = vec![chain(1, 4, true, 1_000)];
-        let warm_mode = ClaimMode { warm: true, pin: None };
+        let warm_mode = ClaimMode { warm: true, pin: None, ..ClaimMode::default() };
         assert_eq!(
             decide_shared(&mut warm, at(0, 7, 1_010), None, warm_mode, false, true, W),
             Verdict::First,
@@ -489,7 +620,7 @@ mod tests {
         assert_eq!(e, before, "a wait changes nothing");
         let mut own = vec![chain(0, 3, true, 1_000)];
         assert_eq!(decide_shared(&mut own, at(0, 7, 1_040), upto(3), live(), false, false, W), Verdict::Duplicate);
-        let warm = ClaimMode { warm: true, pin: None };
+        let warm = ClaimMode { warm: true, pin: None, ..ClaimMode::default() };
         assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, warm, false, false, W), Verdict::First);
         let mut fresh = Vec::new();
         assert_eq!(decide_shared(&mut fresh, at(0, 9, 1_200), None, live(), false, false, W), Verdict::Wait);
@@ -498,7 +629,7 @@ mod tests {
 
     #[test]
     fn a_recorded_pin_is_applied_with_its_effect_and_read_again_without() {
-        let pinned = ClaimMode { pin: Some(Pin::CrossDuplicate), warm: false };
+        let pinned = ClaimMode { pin: Some(Pin::CrossDuplicate), warm: false, ..ClaimMode::default() };
         let mut e = Vec::new();
         assert_eq!(decide_shared(&mut e, at(0, 7, 1_040), None, pinned, false, true, W), Verdict::CrossDuplicate);
         assert_eq!(e, vec![chain(0, 7, false, 1_040)]);
@@ -535,5 +666,53 @@ mod tests {
         assert_eq!(s.sight(2, 1, 40, None), Verdict::Duplicate, "a pinned sighting is still a sighting");
         assert_eq!(s.sight(0, 2, 200, None), Verdict::First);
         assert_eq!(s.len(), 3, "partition 0 dropped click 1, last seen 170 s ago");
+    }
+
+    #[test]
+    fn a_sighting_judged_ahead_is_an_item_of_its_own_that_hides_nothing_and_is_forgotten_a_window_later() {
+        let far = 4_102_444_800;
+        let ahead = |offset, clock, now| Sighting { partition: 0, offset, clock, now };
+        let mut e = vec![chain(0, 10, true, 100)];
+        // Judged at 2100: nothing within the window before it, so it counts.
+        assert_eq!(decide_shared(&mut e, ahead(11, far, 101), upto(10), live(), false, true, W), Verdict::First);
+        assert_eq!(e[0], chain(0, 10, true, 100), "the chain keeps its own time");
+        // A retry on the clock, right after: a duplicate of the chain, not of 2100.
+        assert_eq!(decide_shared(&mut e, at(0, 12, 120), upto(11), live(), false, true, W), Verdict::Duplicate);
+        // Re-read, the item judged ahead is its own owner.
+        assert_eq!(decide_shared(&mut e, ahead(11, far, 101), upto(12), live(), false, true, W), Verdict::Own);
+        // Another sighting at 2100 within the window of the first's reach: a duplicate.
+        assert_eq!(
+            decide_shared(&mut e, ahead(13, far + 5, 130), upto(12), live(), false, true, W),
+            Verdict::Duplicate
+        );
+        // A window of clock past its reach (101 and 130), it matters no more.
+        assert_eq!(decide_shared(&mut e, ahead(14, far + 6, 200), upto(13), live(), false, true, W), Verdict::First);
+        assert_eq!(
+            e.iter().filter(|c| c.ahead.is_some()).count(),
+            3,
+            "each sighting judged ahead is kept (the sweeper collects them)"
+        );
+    }
+
+    #[test]
+    fn a_confirmed_jump_reaches_from_the_clock_it_moved_to() {
+        let t = 10_000;
+        let mut e = Vec::new();
+        // The first record after a quiet stretch, judged at its own time t (clock 100).
+        let first = Sighting { partition: 0, offset: 5, clock: t, now: 100 };
+        assert_eq!(decide_shared(&mut e, first, None, live(), false, true, W), Verdict::First);
+        // Unconfirmed, a retry once the clock is at t would not find it within the window
+        // of its reach (100)...
+        let retry = at(0, 7, t + 1);
+        assert_eq!(decide_shared(&mut e.clone(), retry, upto(6), live(), false, true, W), Verdict::First);
+        // ...but the next record confirmed the jump: it reaches from t on.
+        let confirm = ClaimMode { confirm: true, ..ClaimMode::default() };
+        decide_shared(&mut e, Sighting { now: t, ..first }, upto(6), confirm, false, true, W);
+        assert_eq!(e[0].ahead, Some(t));
+        assert_eq!(decide_shared(&mut e, retry, upto(6), live(), false, true, W), Verdict::Duplicate);
+        let mut scope = PrivateScope::new(W);
+        assert_eq!(scope.sight_at(1, first, None), Verdict::First);
+        scope.confirm(0, 1, 5, t);
+        assert_eq!(scope.sight_at(1, retry, None), Verdict::Duplicate, "a private reader decides alike");
     }
 }

@@ -5,14 +5,19 @@
 //! Every decision is a function of the log (docs/DESIGN.md §5), so any re-read — a restart,
 //! a rebalance, a group reset to any offset, a backfill a month later — makes it again:
 //!
-//! - The **record time** of a record is its partition's clock: the highest Kafka record
-//!   timestamp (whole seconds) among the records of the partition up to and including
-//!   it. It never goes back, even when producers' clocks disagree.
+//! - The **record time** `τ` of a record is its partition's clock (`clock.rs`): the
+//!   highest Kafka record timestamp (whole seconds) among the records of the partition
+//!   up to and including it — or, for a record stamped more than an hour ahead of the
+//!   clock that the next record has not confirmed, its own timestamp (it is *judged
+//!   ahead*; the clock stays). The clock never goes back.
 //! - Within a partition, a valid click **counts** unless an earlier valid click of that
 //!   partition with the same click ID has a record time within the window `W`
-//!   (`dedup.window`) before it: `τ(o) − τ(o') ≤ W`. Every sighting extends the window,
-//!   counted or not, so a click retried again and again within `W` counts once; a repeat
-//!   after a quiet gap longer than `W` counts as a new click.
+//!   (`dedup.window`) before it: `τ(o) − W ≤ τ(o') ≤ τ(o)` — and, for an `o'` judged
+//!   ahead, the partition's clock just after `o` is within `W` of its *reach* (the clock
+//!   after `o'`, or the clock its confirming record moved to, once read). Every sighting
+//!   extends the window, counted or not, so a click retried again and again within `W`
+//!   counts once; a repeat after a quiet gap longer than `W` counts as a new click; and a
+//!   click judged ahead is forgotten a window of clock later, like any other.
 //! - A **copy on another partition** (producers that do not key by click ID) is a
 //!   duplicate when a copy of it counted on another partition within `W` of it, as the
 //!   live member sees them. Which copy counts then depends on the order partitions are
@@ -44,7 +49,9 @@ pub mod decide;
 pub mod fingerprint;
 pub mod rules;
 
-pub use clock::{Checkpoint, PartitionClock, Secs, CLOCK_JUMP};
-pub use decide::{decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Verdict};
+pub use clock::{Checkpoint, PartitionClock, Read, Secs, Timeline, CLOCK_JUMP};
+pub use decide::{
+    decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Start, Verdict,
+};
 pub use fingerprint::{Fingerprint, Fingerprinter};
 pub use rules::{Reading, Rules};

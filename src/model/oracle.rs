@@ -98,17 +98,36 @@ pub fn record_times(ts: &[Option<u32>]) -> Vec<u32> {
 
 /// Within one partition, in offset order: a valid click counts unless an earlier valid
 /// click of the partition with the same ID has a record time within the window before
-/// it (`τ(o) − W ≤ τ(o') ≤ τ(o)`, bounds inclusive). Every sighting counts for the
-/// window, counted or not. `window_at(o)`: the window of the settings deciding offset
-/// `o`.
+/// it (`τ(o) − W ≤ τ(o') ≤ τ(o)`, bounds inclusive) — and, when that earlier one was
+/// judged ahead of its partition's clock (at its own timestamp, the clock not moving),
+/// the partition's clock just after `o` is within the window of its *reach*: the clock
+/// after it, or, once the next timestamped record confirmed its jump, the clock after
+/// that record. Every sighting counts for the window, counted or not. `window_at(o)`:
+/// the window of the settings deciding offset `o`.
 pub fn counts_within_partition(records: &[Record], window_at: &dyn Fn(usize) -> u32) -> Vec<bool> {
     let ts: Vec<Option<u32>> = records.iter().map(|r| r.ts).collect();
     let tau = record_times(&ts);
+    let clock = clocks(&ts);
+    let after = |i: usize| clock[i + 1].unwrap_or(0);
+    // The reach of record j as record i (after it) sees it.
+    let reach = |j: usize, i: usize| {
+        let Some(t) = ts[j] else { return after(j) };
+        match (j + 1..ts.len()).find(|&k| ts[k].is_some()) {
+            Some(k) if k <= i && ts[k].is_some_and(|tk| tk.abs_diff(t) <= JUMP) => after(k),
+            _ => after(j),
+        }
+    };
     (0..records.len())
         .map(|i| {
             let Some(c) = records[i].click else { return false };
             let w = window_at(i);
-            !(0..i).any(|j| records[j].click.is_some_and(|e| e.id == c.id) && tau[j] <= tau[i] && tau[i] - tau[j] <= w)
+            !(0..i).any(|j| {
+                let ahead = tau[j] > after(j);
+                records[j].click.is_some_and(|e| e.id == c.id)
+                    && tau[j] <= tau[i]
+                    && tau[i] - tau[j] <= w
+                    && (!ahead || after(i).saturating_sub(w) <= reach(j, i))
+            })
         })
         .collect()
 }

@@ -280,6 +280,11 @@ impl Redis {
             if entry.is_empty() {
                 space.entries.remove(&c.id);
             }
+            if c.mode.confirm {
+                // Not a sighting: no frontier moves.
+                out.push(v);
+                continue;
+            }
             if v == Verdict::Wait {
                 waiting.insert(p, s.offset);
                 out.push(v);
@@ -291,7 +296,7 @@ impl Redis {
             }
             if s.offset > f {
                 frontier.insert(p, (s.offset, exact));
-                touched.insert(p, s.clock);
+                touched.insert(p, s.now);
             }
             out.push(v);
         }
@@ -425,7 +430,7 @@ impl Redis {
             if let Some(space) = group.spaces.get_mut(&ns) {
                 for chains in space.entries.values_mut() {
                     let before = chains.len();
-                    chains.retain(|c| c.last_seen >= cutoff);
+                    chains.retain(|c| c.reach() >= cutoff);
                     swept += before - chains.len();
                 }
                 space.entries.retain(|_, chains| !chains.is_empty());

@@ -19,7 +19,7 @@ use super::redis::{group_of, ClaimIn, Lost, Ns, Recovered, Redis, Reply, GROUPS}
 use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush, Grain};
 use crate::cache::sweeper::sweep_cutoff;
 use crate::click::Minute;
-use crate::dedup::{Checkpoint, ClaimMode, PartitionClock, Pin, PrivateScope, Secs, Sighting, Verdict};
+use crate::dedup::{Checkpoint, ClaimMode, PartitionClock, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict};
 use crate::position::{self, Marks, Resume, Scope, Start};
 use crate::sink::{stored_version, Writer};
 
@@ -46,7 +46,8 @@ pub mod coverage {
         LOST_NAMESPACE: "losses found by the namespace",
         LOST_FRONTIER: "losses found by the frontier",
         START_OVERS: "start-overs",
-        FENCED: "fenced flushes written",
+        FENCED: "fenced flushes dropped",
+        CONFIRMS: "jumps of clicks judged ahead confirmed",
         CROSS_DUPLICATES: "cross-partition duplicates decided",
         SWEEPS: "sweeps",
         SWEPT: "chains swept",
@@ -214,7 +215,12 @@ impl World {
             self.clocks
                 .range((p, 0)..=(p, to))
                 .rev()
-                .find(|(_, c)| below.is_none_or(|b| c.get().is_none_or(|t| t < b) && c.pending().is_none_or(|t| t < b)))
+                .find(|(_, c)| match below {
+                    // `near`: a reader starting there knows every click whose jump is
+                    // still to be confirmed.
+                    None => c.pending().is_none(),
+                    Some(b) => c.get().is_none_or(|t| t < b) && c.pending().is_none_or(|t| t < b),
+                })
                 .map(|(&(_, b), &c)| (b, c))
         };
         let near = recorded(boundary, None).unwrap_or(log_start);
@@ -320,7 +326,7 @@ pub struct Job {
 struct Reader {
     generation: u64,
     count_from: i64,
-    clock: PartitionClock,
+    clock: Timeline,
     scope: Scope,
     pins: BTreeMap<i64, Pin>,
     pins_until: i64,
@@ -334,7 +340,7 @@ impl Reader {
         Reader {
             generation,
             count_from: start.count_from,
-            clock: start.clock,
+            clock: Timeline::new(start.clock),
             scope: start.scope,
             pins,
             pins_until,
@@ -351,7 +357,8 @@ struct Item {
     generation: u64,
     clock: Secs,
     now: Secs,
-    clock_before: PartitionClock,
+    clock_before: Timeline,
+    confirms: Option<(i64, u128)>,
     warm: bool,
     verdict: Option<Verdict>,
 }
@@ -474,14 +481,15 @@ impl Stages {
             }
             let b = n.start_of(o);
             if b > reader.last + 1 {
-                self.clocks.push(Checkpoint { partition: p, boundary: b, clock: reader.clock });
+                self.clocks.push(Checkpoint { partition: p, boundary: b, clock: reader.clock.clock });
             }
             reader.last = o;
             let rec = w.log.parts[p as usize][o as usize];
             let clock_before = reader.clock;
-            let clock = reader.clock.tick(rec.ts.map(|t| i64::from(t) * 1000));
+            let read = reader.clock.read(o, rec.ts.map(|t| i64::from(t) * 1000), rec.click.map(|c| u128::from(c.id)));
+            let clock = read.time;
             if n.start_of(o + 1) == o + 1 {
-                self.clocks.push(Checkpoint { partition: p, boundary: o + 1, clock: reader.clock });
+                self.clocks.push(Checkpoint { partition: p, boundary: o + 1, clock: reader.clock.clock });
             }
             w.check_time(p, o, clock);
             let warm = o < reader.count_from;
@@ -491,18 +499,36 @@ impl Stages {
                 click: rec.click,
                 generation: reader.generation,
                 clock,
-                now: reader.clock.now(),
+                now: read.now,
                 clock_before,
+                confirms: read.confirms,
                 warm,
                 verdict: None,
             });
         }
         let (mut claims, mut generations, mut claimed) = (Vec::new(), Vec::new(), Vec::new());
         for (idx, i) in items.iter_mut().enumerate() {
-            let Some(click) = i.click else { continue };
             let (p, o) = (i.p, i.offset);
             let reader = self.readers.get_mut(&p).expect("items come from readers");
+            if let Some((ahead, fp)) = i.confirms {
+                add(&coverage::CONFIRMS, 1);
+                let private =
+                    matches!(reader.scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
+                if private {
+                    self.private.confirm(p, fp, ahead, i.now);
+                }
+                let fills = matches!(reader.scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
+                if !private || fills {
+                    let sighting = Sighting { partition: p, offset: ahead, clock: i.clock, now: i.now };
+                    let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
+                    claims.push(ClaimIn { id: fp as u32, sighting, mode });
+                    claimed.push(None);
+                    generations.push(i.generation);
+                }
+            }
+            let Some(click) = i.click else { continue };
             let pin = reader.pins.get(&o).copied();
+            let sighting = Sighting { partition: p, offset: o, clock: i.clock, now: i.now };
             if let Scope::Private { resume } = reader.scope {
                 if resume.is_some_and(|r| o >= r.shared_from()) {
                     add(&coverage::RESUMED, 1);
@@ -510,25 +536,25 @@ impl Stages {
                     self.private.forget(p);
                 } else {
                     let applied = if i.warm { None } else { pin };
-                    i.verdict = Some(self.private.sight_at(p, u128::from(click.id), i.clock, i.now, applied));
+                    i.verdict = Some(self.private.sight_at(u128::from(click.id), sighting, applied));
                     if resume.is_some_and(|r| r.fills_cache(o)) {
-                        let sighting = Sighting { partition: p, offset: o, clock: i.clock };
-                        claims.push(ClaimIn { id: click.id, sighting, mode: ClaimMode { pin, warm: true } });
+                        let mode = ClaimMode { pin, warm: true, confirm: false };
+                        claims.push(ClaimIn { id: click.id, sighting, mode });
                         claimed.push(None);
                         generations.push(i.generation);
                     }
                     continue;
                 }
             }
-            let sighting = Sighting { partition: p, offset: o, clock: i.clock };
-            claims.push(ClaimIn { id: click.id, sighting, mode: ClaimMode { pin, warm: i.warm } });
+            claims.push(ClaimIn { id: click.id, sighting, mode: ClaimMode { pin, warm: i.warm, confirm: false } });
             claimed.push(Some(idx));
             generations.push(i.generation);
         }
         let mut last: BTreeMap<i32, (Sighting, u64)> = BTreeMap::new();
         for i in &items {
             if matches!(self.readers.get(&i.p).map(|r| r.scope), Some(Scope::Shared { .. })) {
-                last.insert(i.p, (Sighting { partition: i.p, offset: i.offset, clock: i.clock }, i.generation));
+                let sighting = Sighting { partition: i.p, offset: i.offset, clock: i.clock, now: i.now };
+                last.insert(i.p, (sighting, i.generation));
             }
         }
         let marks = last.into_values().collect();
@@ -539,7 +565,7 @@ impl Stages {
     fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> Applied {
         let Prepared { mut items, claimed, .. } = prepared;
         let mut distrusted: BTreeMap<i32, u64> = BTreeMap::new();
-        let mut waits: BTreeMap<i32, (i64, PartitionClock, u64)> = BTreeMap::new();
+        let mut waits: BTreeMap<i32, (i64, Timeline, u64)> = BTreeMap::new();
         for (idx, v) in claimed.into_iter().zip(verdicts) {
             let Some(idx) = idx else { continue };
             items[idx].verdict = Some(v);
@@ -744,7 +770,7 @@ impl Member {
             .readers
             .iter()
             .map(|(&p, r)| {
-                let clock = r.clock.now();
+                let clock = r.clock.clock.now();
                 let lagging = w.wall.saturating_sub(clock) > LAG / 2 && r.last + 1 < w.len(p);
                 (p, lagging.then_some(clock))
             })
@@ -779,9 +805,9 @@ impl Member {
             by_group[group_of(c.id)].push(i);
         }
         for s in claims.iter().map(|c| c.sighting).chain(reached.iter().copied()) {
-            let mark = marks.entry(s.partition).or_insert((s.offset, s.clock));
+            let mark = marks.entry(s.partition).or_insert((s.offset, s.now));
             if s.offset >= mark.0 {
-                *mark = (s.offset, s.clock);
+                *mark = (s.offset, s.now);
             }
         }
         if self.acked.0 != self.ns {
@@ -1046,8 +1072,7 @@ impl Member {
         if let Some(stages) = crash_after {
             add(&coverage::MID_FLUSH_CRASHES, 1);
             w.write(&job, Writer::Member, self.ns.tag, stages);
-            if stages >= 1 {
-            }
+            if stages >= 1 {}
             return Fate::Dead;
         }
         w.write(&job, Writer::Member, self.ns.tag, 3);

@@ -70,7 +70,9 @@ impl Sink {
         Ok(rows.into_iter().filter_map(|r| Some((r.offset as i64, Pin::from_code(r.verdict)?))).collect())
     }
 
-    /// The recorded clock at the highest boundary of `partition` in `[low, at]`.
+    /// The recorded clock at the highest boundary of `partition` in `[low, at]` with no
+    /// jump pending: a reader starting there reads the click whose jump the next record
+    /// may confirm (README, "What counts"), so it can tell its dedup state when it does.
     pub async fn clock_at_or_below(
         &self,
         topic: &str,
@@ -108,8 +110,11 @@ impl Sink {
         if at < low.max(0) {
             return Ok(None);
         }
-        let time =
-            if below.is_some() { "AND (has_clock = 0 OR clock < ?) AND (has_pending = 0 OR pending < ?)" } else { "" };
+        let time = if below.is_some() {
+            "AND (has_clock = 0 OR clock < ?) AND (has_pending = 0 OR pending < ?)"
+        } else {
+            "AND has_pending = 0"
+        };
         let sql = format!(
             "SELECT partition, boundary, clock, has_clock, pending, has_pending FROM clickagg_clocks \
              WHERE topic = ? AND partition = ? AND boundary >= ? AND boundary <= ? {time} \

@@ -256,6 +256,67 @@ async fn a_record_stamped_in_2100_then_ordinary_traffic_counts_exactly_and_the_c
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
 
+/// Valid clicks judged far ahead (a producer whose clock said 2100 for one record at a
+/// time, on a topic that accepts any timestamp) hide none of the sightings before or
+/// after them: each counts in its own minute, and an ordinary retry of one right after
+/// it counts as well — nothing within the window *before* it — live, in a replay over
+/// the live rows and into emptied tables; then the cache empties after the window.
+///
+/// Found by the property model (`model::a_click_judged_far_ahead_makes_later_sightings_…`):
+/// the cache kept one latest record time per chain, so the far sighting hid the earlier
+/// ones, and every later sighting of the ID was a duplicate while the cache lived — but
+/// counted after a rebuild, and the entry outlived every sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn valid_clicks_judged_far_ahead_count_alike_live_and_in_replays_and_the_cache_empties_after_the_window() {
+    let mut env = TestEnv::new("aheadclicks").await;
+    env.extra_env.extend([
+        ("CLICKAGG__DEDUP__WINDOW".to_string(), "60s".to_string()),
+        ("CLICKAGG__DEDUP__MAX_RECORD_LAG".to_string(), "1m".to_string()),
+        ("CLICKAGG__VALIDATION__MAX_LATENESS".to_string(), "30s".to_string()),
+    ]);
+    env.batch_offsets = 50;
+    env.create_topic(1, &[("message.timestamp.after.max.ms", "9223372036854775807")]).await;
+    let t0 = chrono::Utc::now().timestamp_millis() - 20_000;
+    let mut records: Vec<Planned> = (0..100).map(|i| click(&format!("a-{i}"), 1, t0 + i, 0)).collect();
+    let mut expected = BTreeMap::new();
+    *expected.entry(bucket(1, t0)).or_insert(0) += 100;
+    for i in 0..50 {
+        // Judged at its own time, 2100 (event time with it): a click of its own there.
+        let far = YEAR_2100_MS + i * 1_000;
+        records.push(click(&format!("b-{i}"), 9, far, 0));
+        *expected.entry(bucket(9, far)).or_insert(0) += 1;
+        // Then the same ID on the clock: nothing within the window before it, so it
+        // counts; its retry right after does not.
+        let at = t0 + 1_000 + i;
+        records.push(click(&format!("b-{i}"), 4, at, 0));
+        records.push(click(&format!("b-{i}"), 4, at + 1, 0));
+        *expected.entry(bucket(4, at)).or_insert(0) += 1;
+        // A far retry of a click counted before: a click of its own in 2100 too (a
+        // window separates it from the original), which hides the original from none of
+        // its later retries.
+        let far_retry = YEAR_2100_MS + 100_000 + i * 1_000;
+        records.push(click(&format!("a-{i}"), 9, far_retry, 0));
+        *expected.entry(bucket(9, far_retry)).or_insert(0) += 1;
+        records.push(click(&format!("a-{i}"), 1, t0 + 2_000 + i, 0));
+    }
+    env.send(&records, 1, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_converge(&expected, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+    env.replay_checked("replay", "earliest", &expected).await;
+    let mut member = env.spawn_member("sweeper");
+    wait_until("the dedup entries are swept", Duration::from_secs(300), || async {
+        let entries = env.dedup_entries().await;
+        if entries == 0 {
+            Ok(())
+        } else {
+            Err(format!("{entries} entries left"))
+        }
+    })
+    .await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_transaction_stamped_30_days_ahead_then_kill9_and_a_restart_counts_exactly() {
     let mut env = TestEnv::new("abortedahead").await;

@@ -42,8 +42,10 @@ impl Model {
             .iter()
             .map(|c| {
                 let s = c.sighting;
-                let mark = marks.entry(s.partition).or_insert(s.offset);
-                *mark = (*mark).max(s.offset);
+                if !c.mode.confirm {
+                    let mark = marks.entry(s.partition).or_insert(s.offset);
+                    *mark = (*mark).max(s.offset);
+                }
                 let group = &mut self.groups[(c.fingerprint.shard(SHARDS) % n) as usize];
                 let f = group.frontier.get(&s.partition).map(|&(claimed, exact_from)| Frontier { claimed, exact_from });
                 let reread = f.is_some_and(|f| s.offset <= f.claimed);
@@ -62,7 +64,7 @@ impl Model {
                 if c.mode.pin.is_none() && v == Verdict::CrossDuplicate && !reread {
                     group.pins.insert((s.partition, s.offset));
                 }
-                if !reread {
+                if !reread && !c.mode.confirm {
                     group.frontier.insert(s.partition, (s.offset, f.map_or(0, |f| f.exact_from)));
                 }
                 v
@@ -105,6 +107,7 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
     let ids: Vec<Fingerprint> = (0..40u128).map(|i| Fingerprint(((i % 16) << 96) | (i * 7919))).collect();
     let mut next: HashMap<i32, i64> = HashMap::new();
     let mut clock: HashMap<i32, u32> = HashMap::new();
+    let mut unconfirmed: HashMap<i32, (i64, Fingerprint)> = HashMap::new();
     let mut checked = 0;
     for round in 0..100 {
         // Now and then a reader starts over from an earlier offset (a re-read: claims the
@@ -130,9 +133,25 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
             *now += rng.random_range(0..4);
             let pin =
                 rng.random_bool(0.05).then(|| if rng.random_bool(0.5) { Pin::CrossDuplicate } else { Pin::Uncounted });
-            let mode = ClaimMode { pin, warm: rng.random_bool(0.1) };
-            let sighting = Sighting { partition: p, offset: *o, clock: *now };
-            claims.push(Claim { fingerprint: ids[rng.random_range(0..ids.len())], sighting, mode });
+            let mode = ClaimMode { pin, warm: rng.random_bool(0.1), confirm: false };
+            let fingerprint = ids[rng.random_range(0..ids.len())];
+            // Now and then a click judged ahead of its partition's clock (at its own
+            // timestamp, the clock staying); the next sighting of the partition may
+            // confirm its jump, moving its reach.
+            let ahead = rng.random_bool(0.05);
+            let judged = if ahead { *now + 3_601 + rng.random_range(0..3) * 7 } else { *now };
+            if let Some((at, fp)) = unconfirmed.remove(&p) {
+                if rng.random_bool(0.5) {
+                    let reach = *now + rng.random_range(0..WINDOW * 2);
+                    let sighting = Sighting { partition: p, offset: at, clock: judged, now: reach };
+                    claims.push(Claim { fingerprint: fp, sighting, mode: ClaimMode { confirm: true, ..mode } });
+                }
+            }
+            if ahead {
+                unconfirmed.insert(p, (*o, fingerprint));
+            }
+            let sighting = Sighting { partition: p, offset: *o, clock: judged, now: *now };
+            claims.push(Claim { fingerprint, sighting, mode });
             *o += 1;
         }
         let from_redis = cache.claim(&claims).await.unwrap();
