@@ -248,8 +248,11 @@ impl Loop<'_> {
     pub(super) async fn give_holds(&mut self) {
         let st = self.stages.lock().await;
         let (consumer, topic) = (self.consumer, self.topic);
+        // A partition whose log end the consumer has not heard yet (its first fetch is
+        // still on its way) is behind: releasing its hold then let another member's
+        // sweeper delete the sightings it was about to judge copies against.
         let holds =
-            st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_some_and(|high| high > last + 1));
+            st.holds(|p, last| source::cached_high_watermark(consumer, topic, p).is_none_or(|high| high > last + 1));
         if holds == self.holds && (self.holds_given.is_cancelled() || holds.is_empty()) {
             return;
         }
