@@ -147,6 +147,9 @@ struct Reader {
     pins: RecordedPins,
     /// The last offset taken in: anything at or below it is a stale fetch.
     last: i64,
+    /// The partition clock after the last record applied (its claim decided): what the
+    /// sweeper must keep a window before (`Stages::holds`).
+    decided_clock: Secs,
     /// Commits of this partition go out only past it (`Start::commit_floor`), which
     /// rises with every commit cut.
     commit_floor: i64,
@@ -481,11 +484,13 @@ impl Stages {
     /// lags the wall clock by more than half of `dedup.max_record_lag` and is behind the
     /// log end (`behind`), `None` otherwise. A partition caught up with its log releases
     /// its hold however old its last record is: its next records are new traffic.
+    ///
+    /// The record time is the clock after the last record *applied*, not the last one
+    /// read: the claims of the poll batches in flight (and of a reader rewound to a
+    /// sighting that waited) are still to be decided, and on a backlog two poll batches
+    /// can span more than a window of record time.
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
-        self.readers
-            .iter()
-            .map(|(&p, r)| (p, hold(r.clock.clock.now(), behind(p, r.last), self.max_record_lag)))
-            .collect()
+        self.readers.iter().map(|(&p, r)| (p, hold(r.decided_clock, behind(p, r.last), self.max_record_lag))).collect()
     }
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
@@ -525,6 +530,9 @@ impl Stages {
                 continue;
             }
             applied.insert(p, i.record.offset);
+            if let Some(reader) = self.readers.get_mut(&p) {
+                reader.decided_clock = i.now;
+            }
             if let Some(trace) = &mut self.trace {
                 let click = i.record.outcome.as_ref().ok().cloned();
                 trace.push(Traced { partition: p, offset: i.record.offset, warm: i.warm, click, verdict: i.verdict });
@@ -726,6 +734,7 @@ impl Reader {
             generation,
             count_from: start.count_from,
             clock: Timeline::new(start.clock),
+            decided_clock: start.clock.now(),
             scope: start.scope,
             pins,
             last: start.read_from - 1,

@@ -327,6 +327,8 @@ struct Reader {
     generation: u64,
     count_from: i64,
     clock: Timeline,
+    /// `pipeline::Reader::decided_clock`.
+    decided_clock: Secs,
     scope: Scope,
     pins: BTreeMap<i64, Pin>,
     pins_until: i64,
@@ -341,6 +343,7 @@ impl Reader {
             generation,
             count_from: start.count_from,
             clock: Timeline::new(start.clock),
+            decided_clock: start.clock.now(),
             scope: start.scope,
             pins,
             pins_until,
@@ -589,6 +592,9 @@ impl Stages {
                 continue;
             }
             applied.insert(i.p, i.offset);
+            if let Some(r) = self.readers.get_mut(&i.p) {
+                r.decided_clock = i.now;
+            }
             if i.warm {
                 continue;
             }
@@ -770,7 +776,7 @@ impl Member {
             .readers
             .iter()
             .map(|(&p, r)| {
-                let clock = r.clock.clock.now();
+                let clock = r.decided_clock;
                 let lagging = w.wall.saturating_sub(clock) > LAG / 2 && r.last + 1 < w.len(p);
                 (p, lagging.then_some(clock))
             })
