@@ -100,7 +100,7 @@ impl Sink {
     /// The server's clock (Unix s): every time the sealer compares with a marker's
     /// `written_at` is taken here, on the same kind of clock.
     pub async fn server_now(&self) -> Result<u32, SinkError> {
-        self.timed(self.client.query("SELECT toUInt32(now())").fetch_one::<u32>()).await
+        self.timed(self.client.query("SELECT toUInt32(now()) AS now").fetch_one::<u32>()).await
     }
 
     pub async fn seal_progress(&self, topic: &str) -> Result<Progress, SinkError> {
