@@ -332,7 +332,8 @@ async fn claims_rate(
     let health = clickagg::health::Health::new();
     let cache = cache(&redis_url, &prefix, 1 << 16, groups, wait_replicas)?;
     let layout = format!("{} key group(s)", cache.groups());
-    let (claimer, mut verdicts) = clickagg::cache::Claimer::start(cache, Duration::from_secs(1), health);
+    let in_flight = clickagg::config::PipelineSettings::default().claims_in_flight;
+    let (claimer, mut verdicts) = clickagg::cache::Claimer::start(cache, Duration::from_secs(1), in_flight, health);
     let cpu_before = cpu_seconds(&redis_url).await?;
     let started = Instant::now();
     let mut sent = 0;
@@ -341,7 +342,7 @@ async fn claims_rate(
     let total = chunks.len();
     let mut chunks = chunks.into_iter();
     while received < total {
-        while sent < total && sent - received < 2 {
+        while sent < total && sent - received < in_flight + 1 {
             let claims = chunks.next().expect("counted");
             let generations = vec![0; claims.len()];
             claimer.claim(clickagg::dedup::ClaimBatch { claims, generations, marks: Vec::new() });

@@ -106,7 +106,7 @@ end
 
 -- The answer to a caller whose namespace is gone: what the group holds instead.
 local function lost(why, detail)
-  return {'LOST', '', why .. ':' .. (detail or '')}
+  return {'LOST', '', why .. ':' .. (detail or ''), ''}
 end
 
 -- The verdict of an item's first sighting, read again.
@@ -236,13 +236,19 @@ end
 --   missing) means the group lost writes (a failover to a replica that lacked them).
 --   ARGV[7] = the topic's partition count: a fresh sighting is decided only while every
 --   other partition is ready.
+--   ARGV[8] = where the caller's previous call left each partition of this one, packed
+--   '>HI6': the partition and the mark that call sent. A member sends a poll batch's
+--   call before the previous one is answered; if that one did not reach its mark here
+--   (a sighting of it waited, or it failed), nothing of the partition is applied in
+--   this call: its claims answer 'W' and its mark is not taken, as if they waited.
 --
 -- Claiming again what was claimed before (a retry after a reply was lost, a crash
 -- between the calls of one batch) answers what the first claim answered: the counted
 -- record 'O', a later sighting 'D', a cross-partition duplicate 'X' (from the sorted set
 -- x:<partition>, where the first claim put it). Nothing changes in the cache.
 --
--- Returns {'OK', verdicts, unready} with one verdict byte per claim:
+-- Returns {'OK', verdicts, unready, refused} with one verdict byte per claim (`refused`:
+-- the partitions whose previous call had not reached its mark here, comma-separated):
 --   F first in its partition within the window (counts)    O the counted record, re-read
 --   D an earlier sighting in its partition within the window
 --   d the same, in a chain whose start did not count (an X): pinned like an X, so that a
@@ -317,6 +323,12 @@ local function claim(keys, args)
     return false
   end
   local waiting = {}    -- partition -> the offset of its first claim that had to wait
+  local prev = args[8] or ''
+  for j = 1, #prev, EXPECT_SIZE do
+    local p, mark = unpack_(EXPECT, prev, j)
+    -- -1: before every claim and mark of the partition in this call.
+    if load(p) < mark then waiting[p] = -1 end
+  end
   local out = {}
   for i = 0, #blob / CLAIM_SIZE - 1 do
     local ki, field, p, o, clock, now, mode = unpack_(CLAIM, blob, i * CLAIM_SIZE + 1)
@@ -409,9 +421,12 @@ local function claim(keys, args)
   for p, clock in pairs(touched) do
     call('HSET', fkey, p, pack_(FRONTIER, frontier[p] + 1, clock, exact[p]))
   end
-  local named = ''
+  local named, refused = '', {}
+  for p, w in pairs(waiting) do
+    if w == -1 then refused[#refused + 1] = p end
+  end
   if next(waiting) ~= nil then named = table.concat(unready_list(), ',') end
-  return {'OK', table.concat(out), named}
+  return {'OK', table.concat(out), named, table.concat(refused, ',')}
 end
 
 -- KEYS = shard hashes of one group; ARGV[1] = cutoff (s). Drops the items whose reach

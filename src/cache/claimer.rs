@@ -1,27 +1,38 @@
 //! The claim task of a member: the one place a member's claims reach the shared cache,
-//! in the order the poll batches were read, while the member decodes the next batch.
+//! in the order the poll batches were read, while the member decodes the next batches.
 
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use super::claims::{ClaimCalls, ClaimReply};
 use super::error::DedupError;
 use super::shared::SharedCache;
-use crate::dedup::Verdict;
-use crate::dedup::{Claim, ClaimBatch};
-use crate::health::RedisTrouble;
+use crate::dedup::{Claim, ClaimBatch, Sighting, Verdict};
+use crate::health::{Health, RedisTrouble};
 use crate::retry::{Retry, Stopped};
+use crate::telemetry as t;
 
 /// The claim task of a member: applies each poll batch's claims in the order they were
 /// handed over (the cache's decisions depend on that order), retrying while Redis is
-/// unavailable — dedup is never skipped — so the member can decode the next poll batch
-/// while one is in flight. The verdicts come back in the same order on the receiver
-/// `start` returns, one answer per batch (a batch without claims is answered at once,
+/// unavailable — dedup is never skipped — so the member can decode the next poll batches
+/// while earlier ones are in flight. The verdicts come back in the same order on the
+/// receiver `start` returns, one answer per batch (a batch without claims is answered
 /// in its turn).
+///
+/// Up to `in_flight` batches' calls are in Redis at once, on one connection per node:
+/// Redis runs them in the order sent, and each call carries where the previous batch of
+/// each partition's reader left it (`prev`), so that a call after one whose sighting
+/// waited — or that failed — applies nothing of that partition (its claims answer
+/// [`Verdict::Wait`]: the reader is rewound and claims them again). A failed call is
+/// claimed again with backoff after the calls behind it are answered, and those are sent
+/// again after it: a claim sent again answers what it answered the first time.
 pub struct Claimer {
-    // Unbounded: the member loop bounds what it hands over (two batches in flight,
-    // fewer than that reaching it while consumption is paused), and must never block
-    // here, or it would stop polling Kafka and be evicted from the group.
+    // Unbounded: the member loop bounds what it hands over, and must never block here,
+    // or it would stop polling Kafka and be evicted from the group.
     tx: tokio::sync::mpsc::UnboundedSender<ClaimBatch>,
     /// Cancelled when the member drops its handle: a claim still being retried then
     /// has nobody to answer.
@@ -37,85 +48,231 @@ impl Drop for Claimer {
 /// The verdicts of the handed-over batches, in order.
 pub type Verdicts = tokio::sync::mpsc::Receiver<Result<Vec<Verdict>, DedupError>>;
 
+/// One batch handed over, its calls sent and not answered yet.
+struct Sent {
+    batch: ClaimBatch,
+    /// The positions in `batch.claims` of the claims sent (the others are of a reader
+    /// generation that had to wait: answered `Wait` without being sent).
+    sent: Vec<usize>,
+    claims: Vec<Claim>,
+    reached: Vec<Sighting>,
+    prev: BTreeMap<i32, i64>,
+    calls: Option<ClaimCalls>,
+    reply: Reply,
+}
+
+type Replies = Result<Vec<ClaimReply>, DedupError>;
+
+/// The replies of one batch's calls: still running, or in (kept, since the replies of
+/// calls behind a failed one are awaited before they are answered).
+enum Reply {
+    Running(JoinHandle<Replies>),
+    Done(Replies),
+}
+
+impl Reply {
+    /// Waits for the calls to end. Cancel-safe: the replies are kept once in.
+    async fn settle(&mut self) {
+        if let Reply::Running(handle) = self {
+            let replies = handle
+                .await
+                .unwrap_or_else(|e| Err(DedupError::unreachable(format!("the claim call task ended: {e}"))));
+            *self = Reply::Done(replies);
+        }
+    }
+
+    /// The replies, once: a batch is answered once, or sent again first.
+    async fn take(&mut self) -> Replies {
+        self.settle().await;
+        match std::mem::replace(self, Reply::Done(Err(DedupError::unreachable("claim replies taken twice")))) {
+            Reply::Done(replies) => replies,
+            Reply::Running(_) => unreachable!("settled above"),
+        }
+    }
+}
+
+/// The claim task's state between batches.
+struct Task {
+    cache: SharedCache,
+    /// Per partition, the reader generation whose sighting had to wait: its later claims,
+    /// already handed over, must not be decided before that sighting (the reader is
+    /// rewound to it and claims them again under a new generation).
+    waiting: HashMap<i32, u64>,
+    /// Per partition, the reader generation and the mark of the last batch sent for it.
+    sent_marks: HashMap<i32, (u64, i64)>,
+}
+
+impl Task {
+    /// Sends one batch's calls, with each partition's `prev` (the mark of the last batch
+    /// sent by the same reader generation).
+    async fn send(&mut self, batch: ClaimBatch) -> Sent {
+        let stale = |i: usize| {
+            let p = batch.claims[i].sighting.partition;
+            self.waiting.get(&p).is_some_and(|&g| batch.generations[i] <= g)
+        };
+        let (sent, _held): (Vec<usize>, Vec<usize>) = (0..batch.claims.len()).partition(|&i| !stale(i));
+        for &i in &sent {
+            self.waiting.remove(&batch.claims[i].sighting.partition);
+        }
+        let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
+        // Marks of a reader generation that had to wait are stale like its claims.
+        let marks: Vec<(Sighting, u64)> = batch
+            .marks
+            .iter()
+            .filter(|(s, g)| !self.waiting.get(&s.partition).is_some_and(|w| g <= w))
+            .copied()
+            .collect();
+        let prev: BTreeMap<i32, i64> = marks
+            .iter()
+            .filter_map(|(s, g)| match self.sent_marks.get(&s.partition) {
+                Some(&(sent_g, o)) if sent_g == *g => Some((s.partition, o)),
+                _ => None,
+            })
+            .collect();
+        let reached: Vec<Sighting> = marks.iter().map(|&(s, _)| s).collect();
+        let mut out = Sent { batch, sent, claims, reached, prev, calls: None, reply: Reply::Done(Ok(Vec::new())) };
+        self.dispatch(&mut out).await;
+        for (s, g) in marks {
+            let mark = out.calls.as_ref().and_then(|c| c.marks().find(|&(p, _)| p == s.partition)).map(|(_, o)| o);
+            if let Some(o) = mark {
+                self.sent_marks.insert(s.partition, (g, o));
+            }
+        }
+        out
+    }
+
+    /// Builds the calls of `s` and sends them (again, after a failure).
+    async fn dispatch(&mut self, s: &mut Sent) {
+        let built = async {
+            let calls = self.cache.claim_calls(&s.claims, &s.reached, &s.prev).await?;
+            let sender = self.cache.sender().await?;
+            Ok::<_, DedupError>((calls, sender))
+        };
+        match built.await {
+            Ok((calls, sender)) => {
+                let cmds = calls.calls.clone();
+                s.reply = Reply::Running(tokio::spawn(sender.send(cmds)));
+                s.calls = Some(calls);
+            }
+            Err(e) => {
+                s.calls = None;
+                s.reply = Reply::Done(Err(e));
+            }
+        }
+    }
+
+    /// The answer of the oldest batch: its verdicts in the order of its claims, or why
+    /// there are none.
+    fn answer(&mut self, s: &Sent, replies: Replies) -> Result<Vec<Verdict>, DedupError> {
+        let v = match &s.calls {
+            Some(calls) => self.cache.answer(calls, &s.claims, replies)?,
+            None => return Err(replies.err().unwrap_or_else(|| DedupError::unreachable("no claim calls"))),
+        };
+        let mut all = vec![Verdict::Wait; s.batch.claims.len()];
+        for (&i, verdict) in s.sent.iter().zip(v) {
+            if verdict == Verdict::Wait {
+                let p = s.batch.claims[i].sighting.partition;
+                let g = self.waiting.entry(p).or_insert(s.batch.generations[i]);
+                *g = (*g).max(s.batch.generations[i]);
+            }
+            all[i] = verdict;
+        }
+        Ok(all)
+    }
+}
+
 impl Claimer {
+    /// Starts the task; at most `in_flight` batches' calls are in Redis at once.
     pub fn start(
-        mut cache: SharedCache,
+        cache: SharedCache,
         max_backoff: Duration,
-        health: std::sync::Arc<crate::health::Health>,
+        in_flight: usize,
+        health: Arc<Health>,
     ) -> (Claimer, Verdicts) {
-        use crate::telemetry as t;
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ClaimBatch>();
-        let (answer_tx, answers) = tokio::sync::mpsc::channel(4);
+        let (answer_tx, answers) = tokio::sync::mpsc::channel(in_flight.max(1) + 2);
         let stop = CancellationToken::new();
         let handle_stop = stop.clone();
+        let depth = in_flight.max(1);
         tokio::spawn(async move {
             let log_limit = t::RateLimiter::new(Duration::from_secs(5));
-            // Per partition, the reader generation whose sighting had to wait: its later
-            // claims, already handed over, must not be decided before that sighting (the
-            // reader is rewound to it and claims them again under a new generation).
-            let mut waiting: std::collections::HashMap<i32, u64> = std::collections::HashMap::new();
+            let mut task = Task { cache, waiting: HashMap::new(), sent_marks: HashMap::new() };
+            let mut queue: VecDeque<Sent> = VecDeque::new();
             let mut clock = t::StageClock::new("claimer");
-            while let Some(batch) = rx.recv().await {
-                clock.mark("idle");
-                let stale = |i: usize| {
-                    let p = batch.claims[i].sighting.partition;
-                    waiting.get(&p).is_some_and(|&g| batch.generations[i] <= g)
-                };
-                let (sent, held): (Vec<usize>, Vec<usize>) = (0..batch.claims.len()).partition(|&i| !stale(i));
-                for &i in &sent {
-                    waiting.remove(&batch.claims[i].sighting.partition);
-                }
-                let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
-                // Marks of a reader generation that had to wait are stale like its claims.
-                let marks: Vec<crate::dedup::Sighting> = batch
-                    .marks
-                    .iter()
-                    .filter(|(s, g)| !waiting.get(&s.partition).is_some_and(|w| g <= w))
-                    .map(|&(s, _)| s)
-                    .collect();
-                let mut retry = Retry::new(max_backoff, &stop);
-                let answer = loop {
-                    match cache.claim_marked(&claims, &marks).await {
-                        Ok(v) => {
-                            health.set_claims_failing(None);
-                            let mut all = vec![Verdict::Wait; batch.claims.len()];
-                            for (&i, verdict) in sent.iter().zip(v) {
-                                if verdict == Verdict::Wait {
-                                    let p = batch.claims[i].sighting.partition;
-                                    let g = waiting.entry(p).or_insert(batch.generations[i]);
-                                    *g = (*g).max(batch.generations[i]);
-                                }
-                                all[i] = verdict;
+            let mut open = true;
+            while open || !queue.is_empty() {
+                tokio::select! {
+                    biased;
+                    replies = async { queue.front_mut().expect("checked").reply.take().await }, if !queue.is_empty() => {
+                        clock.mark("waiting_for_redis");
+                        let mut front = queue.pop_front().expect("checked");
+                        let mut answer = task.answer(&front, replies);
+                        if matches!(&answer, Err(e) if !e.is_lost() && !matches!(e, DedupError::Fatal(_))) {
+                            // The calls behind it may have run or not: let them end, claim this
+                            // batch again, then send them again, in order.
+                            for s in queue.iter_mut() {
+                                s.reply.settle().await;
                             }
-                            debug_assert!(held.iter().all(|&i| all[i] == Verdict::Wait));
-                            break Ok(all);
+                            let mut retry = Retry::new(max_backoff, &stop);
+                            loop {
+                                match answer {
+                                    Err(e) if !e.is_lost() && !matches!(e, DedupError::Fatal(_)) => {
+                                        let transient = |e: &DedupError| {
+                                            // The member loop pauses consumption while this is set.
+                                            let trouble = e.trouble().unwrap_or(RedisTrouble::Unreachable);
+                                            health.set_claims_failing(Some(trouble));
+                                            metrics::counter!(t::REDIS_ERRORS, "kind" => trouble.label()).increment(1);
+                                            metrics::counter!(t::REDIS_RETRIES).increment(1);
+                                            if log_limit.allow("redis", std::time::Instant::now()).is_some() {
+                                                tracing::warn!(error = %e, "dedup failed; retrying with backoff");
+                                            }
+                                        };
+                                        match retry.after(e, transient).await {
+                                            Ok(()) => {}
+                                            Err(Stopped::Fatal(e)) => {
+                                                answer = Err(e);
+                                                break;
+                                            }
+                                            // The member is gone (its handle dropped): nobody waits any more.
+                                            Err(Stopped::ShutDown) => return,
+                                        }
+                                        task.dispatch(&mut front).await;
+                                        let replies = front.reply.take().await;
+                                        answer = task.answer(&front, replies);
+                                    }
+                                    _ => break,
+                                }
+                            }
+                            // Sent again, the calls behind answer as the cache now stands
+                            // (verdicts, or the loss the oldest found): never with the
+                            // transient error they met before, which would stop the member.
+                            if !matches!(answer, Err(DedupError::Fatal(_))) {
+                                for s in queue.iter_mut() {
+                                    task.dispatch(s).await;
+                                }
+                            }
                         }
-                        Err(e) if e.is_lost() => break Err(e),
-                        Err(e) => {
-                            let transient = |e: &DedupError| {
-                                // The member loop pauses consumption while this is set.
-                                let trouble = e.trouble().unwrap_or(RedisTrouble::Unreachable);
-                                health.set_claims_failing(Some(trouble));
-                                metrics::counter!(t::REDIS_ERRORS, "kind" => trouble.label()).increment(1);
-                                metrics::counter!(t::REDIS_RETRIES).increment(1);
-                                if log_limit.allow("redis", std::time::Instant::now()).is_some() {
-                                    tracing::warn!(error = %e, "dedup failed; retrying with backoff");
-                                }
-                            };
-                            match retry.after(e, transient).await {
-                                Ok(()) => {}
-                                Err(Stopped::Fatal(e)) => break Err(e),
-                                // The member is gone (its handle dropped): nobody waits any more.
-                                Err(Stopped::ShutDown) => return,
+                        if answer.is_ok() {
+                            health.set_claims_failing(None);
+                        }
+                        clock.mark("busy");
+                        if answer_tx.send(answer).await.is_err() {
+                            return;
+                        }
+                        clock.mark("blocked");
+                    }
+                    batch = rx.recv(), if open && queue.len() < depth => {
+                        clock.mark("idle");
+                        match batch {
+                            Some(batch) => {
+                                let sent = task.send(batch).await;
+                                queue.push_back(sent);
+                                clock.mark("busy");
                             }
+                            None => open = false,
                         }
                     }
-                };
-                clock.mark("busy");
-                if answer_tx.send(answer).await.is_err() {
-                    return;
                 }
-                clock.mark("blocked");
             }
         });
         (Claimer { tx, stop: handle_stop }, answers)

@@ -20,7 +20,25 @@ const CLAIM_SIZE: usize = 32;
 
 /// One group's answer to a claim call: `OK` or `LOST`, a verdict byte per claim, and the
 /// partitions that are not ready (or, when lost, why).
-type ClaimReply = (String, Vec<u8>, String);
+/// The fourth element: the partitions nothing of which was applied because the previous
+/// call had not reached its mark (`prev`).
+pub type ClaimReply = (String, Vec<u8>, String, String);
+
+/// One poll batch's claim calls, one per key group ([`SharedCache::claim_calls`]).
+pub struct ClaimCalls {
+    pub calls: Vec<redis::Cmd>,
+    /// Per group, the positions in the batch's claims of those its call carries.
+    by_group: Vec<Vec<usize>>,
+    /// Per partition, the batch's mark: its highest offset read and the clock there.
+    marks: BTreeMap<i32, (i64, Secs)>,
+}
+
+impl ClaimCalls {
+    /// Per partition, the offset this batch's mark takes it to (the next batch's `prev`).
+    pub fn marks(&self) -> impl Iterator<Item = (i32, i64)> + '_ {
+        self.marks.iter().map(|(&p, &(o, _))| (p, o))
+    }
+}
 
 impl SharedCache {
     /// The `FCALL` that claims `members` (positions in `claims`, all in `group`), with
@@ -32,6 +50,7 @@ impl SharedCache {
         claims: &[Claim],
         marks: &[u8],
         expect: &[u8],
+        prev: &[u8],
     ) -> redis::Cmd {
         let mut partitions: Vec<i32> = members.iter().map(|&i| claims[i].sighting.partition).collect();
         partitions.sort_unstable();
@@ -87,7 +106,8 @@ impl SharedCache {
             .arg(named.join(","))
             .arg(marks)
             .arg(expect)
-            .arg(self.partitions.load(Ordering::Relaxed));
+            .arg(self.partitions.load(Ordering::Relaxed))
+            .arg(prev);
         cmd
     }
 
@@ -107,6 +127,22 @@ impl SharedCache {
     /// [`SharedCache::claim`] with the poll batch's last records read (`reached`, clicks or
     /// not, per partition read through the cache): the marks reach them too.
     pub async fn claim_marked(&mut self, claims: &[Claim], reached: &[Sighting]) -> Result<Vec<Verdict>, DedupError> {
+        let calls = self.claim_calls(claims, reached, &BTreeMap::new()).await?;
+        let replies = self.sender().await?.send(calls.calls.clone()).await;
+        self.answer(&calls, claims, replies)
+    }
+
+    /// The calls of one poll batch (`reached` as in [`SharedCache::claim_marked`]), to
+    /// send with a [`ClaimSender`] — possibly before the previous batch's are answered.
+    /// `prev`: per partition, the mark the previous batch's calls of the same reader
+    /// sent; where a group did not reach it (one of that batch's sightings waited, or
+    /// the call failed), this call applies nothing of the partition (`claim.lua`).
+    pub async fn claim_calls(
+        &mut self,
+        claims: &[Claim],
+        reached: &[Sighting],
+        prev: &BTreeMap<i32, i64>,
+    ) -> Result<ClaimCalls, DedupError> {
         self.ensure_open().await?;
         // Per group: the claims' positions in `claims`, in order. Every group gets a call,
         // with the marks: the highest offset claimed per partition and its record time.
@@ -132,6 +168,11 @@ impl SharedCache {
             mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
             mark_blob.extend_from_slice(&clock.to_be_bytes());
         }
+        let mut prev_blob = Vec::with_capacity(prev.len() * 8);
+        for (&p, &o) in prev {
+            prev_blob.extend_from_slice(&(p as u16).to_be_bytes());
+            prev_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+        }
         // What this handle saw acknowledged in each group: of the batch's partitions, or
         // of all it claimed for when this is an idle check.
         let ns = self.namespace();
@@ -146,13 +187,33 @@ impl SharedCache {
             }
         }
         let calls: Vec<redis::Cmd> = (0..self.groups)
-            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect[g as usize]))
+            .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect[g as usize], &prev_blob))
             .collect();
-        let replies = self.run_claims(calls).await?;
+        Ok(ClaimCalls { calls, by_group, marks })
+    }
+
+    /// What the calls of `calls` answered (`replies`, from [`ClaimSender::send`]): the
+    /// verdicts in the order of `claims`, or why there are none. Called in the order the
+    /// calls were sent, so that what this handle saw acknowledged moves forward.
+    pub fn answer(
+        &mut self,
+        calls: &ClaimCalls,
+        claims: &[Claim],
+        replies: Result<Vec<ClaimReply>, DedupError>,
+    ) -> Result<Vec<Verdict>, DedupError> {
+        let replies = replies.inspect_err(|e| {
+            if !e.is_lost() {
+                self.conn = None;
+            }
+        })?;
+        let (by_group, marks) = (&calls.by_group, &calls.marks);
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
         let mut unready = std::collections::BTreeSet::new();
+        // Per group, the partitions it applied nothing of: their frontier there did not move.
+        let mut refused: std::collections::BTreeSet<(u32, i32)> = std::collections::BTreeSet::new();
         for (g, (members, reply)) in by_group.iter().zip(replies).enumerate() {
-            let (status, codes, detail) = reply;
+            let (status, codes, detail, not_applied) = reply;
+            refused.extend(not_applied.split(',').filter_map(|p| p.parse().ok()).map(|p| (g as u32, p)));
             if status == "LOST" {
                 let (why, detail) = detail.split_once(':').unwrap_or((detail.as_str(), ""));
                 return Err(DedupError::Lost(Lost {
@@ -190,7 +251,7 @@ impl SharedCache {
             tracing::debug!(waiting = ?partitions, unready = %unready.join(","), "sightings wait for other partitions' state");
         }
         for g in 0..self.groups {
-            for (&p, &(o, _)) in &marks {
+            for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !refused.contains(&(g, **p))) {
                 let reached = match waiting.get(&(g, p)) {
                     None => Some(o),
                     Some(&first) => Some(o.min(first - 1)).filter(|&r| r >= 0),
@@ -203,16 +264,36 @@ impl SharedCache {
         }
         Ok(verdicts)
     }
+}
 
+/// A connection to send one poll batch's claim calls on, while earlier ones may still be
+/// in flight on it: Redis runs the calls of one connection in the order sent.
+pub struct ClaimSender {
+    conn: Conn,
+    wait: Option<super::target::Wait>,
+    /// Per key group, the slot its keys hash to.
+    slots_of: Vec<u16>,
+}
+
+impl SharedCache {
+    /// A sender on this handle's connection (connecting first if needed).
+    pub async fn sender(&mut self) -> Result<ClaimSender, DedupError> {
+        let slots_of = (0..self.groups).map(|g| slot_of(&self.frontier_key(g))).collect();
+        let wait = self.wait;
+        let conn = self.connection().await?.clone();
+        Ok(ClaimSender { conn, wait, slots_of })
+    }
+}
+
+impl ClaimSender {
     /// Sends the claim calls (one per group, in group order) and returns their replies in
-    /// that order: one pipeline on a single Redis; on a cluster one pipeline per master,
+    /// that order (an error drops nothing: [`SharedCache::answer`] drops the connection): one pipeline on a single Redis; on a cluster one pipeline per master,
     /// all masters at once. Each pipeline ends with `WAIT` when claims must be durable:
     /// on the same connection, after the calls, so it counts exactly their writes.
-    pub(super) async fn run_claims(&mut self, calls: Vec<redis::Cmd>) -> Result<Vec<ClaimReply>, DedupError> {
-        let wait = self.wait;
-        let groups: Vec<u32> = (0..self.groups).collect();
-        let slots_of: Vec<u16> = groups.iter().map(|&g| slot_of(&self.frontier_key(g))).collect();
-        let result = match self.connection().await? {
+    pub async fn send(mut self, calls: Vec<redis::Cmd>) -> Result<Vec<ClaimReply>, DedupError> {
+        let (wait, slots_of) = (self.wait, &self.slots_of);
+        let groups: Vec<u32> = (0..slots_of.len() as u32).collect();
+        let result = match &mut self.conn {
             Conn::Single(conn) => {
                 let mut pipe = redis::pipe();
                 for cmd in calls {
@@ -280,10 +361,7 @@ impl SharedCache {
         };
         let mut values = match result {
             Ok(mut v) => v.pop().expect("one list"),
-            Err(e) => {
-                self.conn = None;
-                return Err(DedupError::classify(e));
-            }
+            Err(e) => return Err(DedupError::classify(e)),
         };
         // The WAIT replies follow the groups' replies; the fewest replicas counts.
         let acked = values.split_off(groups.len());
@@ -299,14 +377,12 @@ impl SharedCache {
         }
         values
             .into_iter()
-            .map(|v| {
-                let (status, codes, detail): (String, Vec<u8>, String) =
-                    redis::from_redis_value(v).map_err(|e| DedupError::Fatal(format!("claim reply: {e}")))?;
-                Ok((status, codes, detail))
-            })
+            .map(|v| redis::from_redis_value(v).map_err(|e| DedupError::Fatal(format!("claim reply: {e}"))))
             .collect()
     }
+}
 
+impl SharedCache {
     /// Per partition, what each key group says: the highest offset claimed, its record
     /// time, and where its state is exact from (`position::merge_frontiers` merges them).
     pub async fn frontiers(

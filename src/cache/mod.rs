@@ -43,6 +43,7 @@ mod target;
 mod upkeep;
 
 pub use claimer::{Claimer, Verdicts};
+pub use claims::{ClaimCalls, ClaimReply, ClaimSender};
 pub use error::{DedupError, Lost, Recovery};
 
 /// Partitions the cache can hold: claim.lua keeps a partition in 14 bits of an item.

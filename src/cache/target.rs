@@ -84,7 +84,7 @@ pub(super) type Node = (String, u16);
 /// Which master serves which slots, and every node (replicas too). Only to bundle the
 /// calls of the groups one master serves into one pipeline: a stale map costs a
 /// redirect or a retry, never a wrong answer (each node refuses keys it does not serve).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(super) struct SlotMap {
     pub(super) masters: Vec<(u16, u16, Node)>,
     pub(super) nodes: Vec<Node>,
@@ -131,6 +131,7 @@ pub fn slot_of(key: &str) -> u16 {
     crc16::State::<crc16::XMODEM>::calculate(tag.as_bytes()) % 16_384
 }
 
+#[derive(Clone)]
 pub(super) enum Conn {
     Single(MultiplexedConnection),
     Cluster { conn: ClusterConnection, slots: SlotMap },

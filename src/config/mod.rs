@@ -92,6 +92,10 @@ pub struct PipelineSettings {
     pub flush_interval: Duration,
     /// Records taken from the consumer per poll batch (one Redis pipeline each).
     pub max_poll_records: usize,
+    /// Poll batches whose claims may be in Redis at once: each is sent before the one
+    /// before it is answered, and the verdicts are applied in order (`cache::claimer`).
+    /// 1 waits for every answer before the next call.
+    pub claims_in_flight: usize,
     /// Consumption pauses while more buckets than this are held unflushed (ClickHouse
     /// down or slow), which bounds memory.
     pub max_unflushed_buckets: usize,
@@ -109,6 +113,7 @@ impl Default for PipelineSettings {
             batch_offsets: 10_000,
             flush_interval: Duration::from_secs(1),
             max_poll_records: 2_000,
+            claims_in_flight: 3,
             max_unflushed_buckets: 1_000_000,
             drain_timeout: Duration::from_secs(30),
             max_backoff: Duration::from_secs(5),

@@ -18,6 +18,9 @@ impl Settings {
         if p.max_poll_records == 0 {
             problems.push("pipeline.max_poll_records must be at least 1".to_string());
         }
+        if !(1..=64).contains(&p.claims_in_flight) {
+            problems.push("pipeline.claims_in_flight must be between 1 and 64".to_string());
+        }
         if self.seal.interval.is_zero() {
             problems.push("seal.interval must be longer than 0".to_string());
         }

@@ -138,7 +138,8 @@ impl Member {
             max_backoff: s.pipeline.max_backoff,
             fatal: fatal.clone(),
         }));
-        let (claimer, verdicts) = Claimer::start(cache.handle(), s.pipeline.max_backoff, self.health.clone());
+        let (claimer, verdicts) =
+            Claimer::start(cache.handle(), s.pipeline.max_backoff, s.pipeline.claims_in_flight, self.health.clone());
         let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.clone())));
         let planner = Arc::new(Mutex::new(Planner::for_member(s, sink, cache, rules)));
         let paused = Arc::new(AtomicBool::new(false));

@@ -71,7 +71,8 @@ impl Loop<'_> {
         let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         // Poll batches whose claims are in Redis, oldest first; their verdicts come back
-        // in this order. Two at most: one being decided while the next is decoded.
+        // in this order: `pipeline.claims_in_flight` in Redis, and one more being decoded.
+        let max_in_flight = s.pipeline.claims_in_flight + 1;
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
         let decoder = crate::source::Decoder::from_settings(s)?;
@@ -137,10 +138,10 @@ impl Loop<'_> {
                         self.give_holds().await;
                     }
                 }
-                // Polled even with two batches in flight while paused: polling keeps the
+                // Polled even with every batch slot in flight while paused: polling keeps the
                 // member in the group and serves rebalances through a long outage, and
                 // little arrives once consumption is paused.
-                chunk = chunks.next(), if (in_flight.len() < 2 || paused) && lost.is_none() => {
+                chunk = chunks.next(), if (in_flight.len() < max_in_flight || paused) && lost.is_none() => {
                     clock.mark("waiting_for_kafka");
                     let Some(chunk) = chunk else { return Ok(()) };
                     metrics::histogram!(t::POLL_BATCH_RECORDS).record(chunk.len() as f64);

@@ -62,7 +62,8 @@ pub struct ClaimIn {
 /// What one group's `claim` answers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
-    Ok(Vec<Verdict>),
+    /// The verdicts, and the partitions nothing of which was applied (`prev`).
+    Ok(Vec<Verdict>, BTreeSet<i32>),
     Lost(Lost),
 }
 
@@ -232,6 +233,7 @@ impl Redis {
         claims: &[ClaimIn],
         marks: &BTreeMap<i32, (i64, Secs)>,
         expect: &BTreeMap<i32, i64>,
+        prev: &BTreeMap<i32, i64>,
         total: i32,
     ) -> Reply {
         let before = self.groups[g].clone();
@@ -251,8 +253,14 @@ impl Redis {
             (0..total).filter(|q| space.frontier.get(q).is_none_or(|&(next, _, exact)| next < exact)).collect();
         let mut frontier: BTreeMap<i32, (i64, i64)> = BTreeMap::new();
         let mut touched: BTreeMap<i32, Secs> = BTreeMap::new();
-        // Per partition, the offset of its first claim that waited.
+        // Per partition, the offset of its first claim that waited; -1 for a partition the
+        // caller's previous call did not take to its mark here (nothing of it is applied).
         let mut waiting: BTreeMap<i32, i64> = BTreeMap::new();
+        for (&p, &mark) in prev {
+            if space.frontier.get(&p).map_or(-1, |&(next, _, _)| next - 1) < mark {
+                waiting.insert(p, -1);
+            }
+        }
         let mut out = Vec::with_capacity(claims.len());
         for c in claims {
             let s = c.sighting;
@@ -323,7 +331,8 @@ impl Redis {
             space.frontier.insert(p, (claimed + 1, clock, exact));
         }
         self.undo[g] = Some((caller, before));
-        Reply::Ok(out)
+        let refused = waiting.iter().filter(|&(_, &w)| w == -1).map(|(&p, _)| p).collect();
+        Reply::Ok(out, refused)
     }
 
     /// `claim.lua`'s `restart` in every group (`SharedCache::restart`); `Err` when a

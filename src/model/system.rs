@@ -367,6 +367,7 @@ struct Item {
 }
 
 /// A poll batch between `prepare` and `apply`.
+#[derive(Default)]
 struct Prepared {
     items: Vec<Item>,
     claims: Vec<ClaimIn>,
@@ -660,6 +661,9 @@ pub struct Member {
     st: Stages,
     /// The claim task's partitions whose reader generation had to wait.
     waiting: HashMap<i32, u64>,
+    /// The claimer's `sent_marks`: per partition, the reader generation and mark of the
+    /// last batch sent.
+    sent_marks: HashMap<i32, (u64, i64)>,
     /// The flusher: handed-over jobs with the fence they were handed over under.
     queue: VecDeque<(Job, u64)>,
     fence: u64,
@@ -686,6 +690,7 @@ impl Member {
             acked: (ns, BTreeMap::new()),
             st: Stages::new(w.n, w.versions[tag].window),
             waiting: HashMap::new(),
+            sent_marks: HashMap::new(),
             queue: VecDeque::new(),
             fence: 0,
             owned: BTreeSet::new(),
@@ -803,6 +808,7 @@ impl Member {
         w: &mut World,
         claims: &[ClaimIn],
         reached: &[Sighting],
+        prev: &BTreeMap<i32, i64>,
         groups: u8,
     ) -> Result<Vec<Verdict>, Lost> {
         let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); GROUPS];
@@ -840,15 +846,18 @@ impl Member {
             }
             let calls: Vec<ClaimIn> = members.iter().map(|&i| claims[i]).collect();
             let window = self.st.window;
-            replies.push(Some(w.redis.claim(self.pid, g, self.ns, window, &calls, &marks, &expect[g], w.partitions())));
+            let (expect, total) = (&expect[g], w.partitions());
+            replies.push(Some(w.redis.claim(self.pid, g, self.ns, window, &calls, &marks, expect, prev, total)));
         }
         let mut verdicts = vec![Verdict::Undecidable; claims.len()];
         let answered: Vec<bool> = replies.iter().map(Option::is_some).collect();
-        for (members, reply) in by_group.iter().zip(replies) {
+        let mut refused: BTreeSet<(usize, i32)> = BTreeSet::new();
+        for (g, (members, reply)) in by_group.iter().zip(replies).enumerate() {
             match reply {
                 None => {}
                 Some(Reply::Lost(l)) => return Err(l),
-                Some(Reply::Ok(codes)) => {
+                Some(Reply::Ok(codes, not_applied)) => {
+                    refused.extend(not_applied.into_iter().map(|p| (g, p)));
                     add(&coverage::CROSS_DUPLICATES, codes.iter().filter(|&&v| v == Verdict::CrossDuplicate).count());
                     for (&i, v) in members.iter().zip(codes) {
                         verdicts[i] = v;
@@ -867,7 +876,7 @@ impl Member {
                 .filter(|&&i| verdicts[i] == Verdict::Wait)
                 .map(|&i| claims[i].sighting.partition)
                 .collect();
-            for (&p, &(o, _)) in &marks {
+            for (&p, &(o, _)) in marks.iter().filter(|(p, _)| !refused.contains(&(g, **p))) {
                 let reached = if waited.contains(&p) {
                     members
                         .iter()
@@ -887,31 +896,59 @@ impl Member {
         Ok(verdicts)
     }
 
-    /// The `Claimer`: claims of a reader generation that had to wait are not sent.
-    fn claimer(
-        &mut self,
-        w: &mut World,
-        claims: &[ClaimIn],
-        generations: &[u64],
-        marks: &[(Sighting, u64)],
-    ) -> Result<Vec<Verdict>, Lost> {
+    /// The `Claimer` sending one batch (`Task::send`): claims of a reader generation that
+    /// had to wait are not sent; each partition's `prev` is the mark of the last batch
+    /// sent by the same reader generation. Redis runs the calls at once (in the order
+    /// sent); their answers are taken in order by [`Member::claimer_answer`], after every
+    /// batch in flight was sent — as the claimer does with `claims_in_flight` batches.
+    fn claimer_send(&mut self, w: &mut World, prepared: &Prepared) -> (Vec<usize>, Result<Vec<Verdict>, Lost>) {
+        let (claims, generations, marks) = (&prepared.claims, &prepared.generations, &prepared.marks);
         let stale = |i: usize| self.waiting.get(&claims[i].sighting.partition).is_some_and(|&g| generations[i] <= g);
         let (sent, _held): (Vec<usize>, Vec<usize>) = (0..claims.len()).partition(|&i| !stale(i));
         for &i in &sent {
             self.waiting.remove(&claims[i].sighting.partition);
         }
-        let reached: Vec<Sighting> = marks
+        let marks: Vec<(Sighting, u64)> =
+            marks.iter().filter(|(s, g)| !self.waiting.get(&s.partition).is_some_and(|w| g <= w)).copied().collect();
+        let prev: BTreeMap<i32, i64> = marks
             .iter()
-            .filter(|(s, g)| !self.waiting.get(&s.partition).is_some_and(|w| g <= w))
-            .map(|&(s, _)| s)
+            .filter_map(|(s, g)| match self.sent_marks.get(&s.partition) {
+                Some(&(sent_g, o)) if sent_g == *g => Some((s.partition, o)),
+                _ => None,
+            })
             .collect();
+        let reached: Vec<Sighting> = marks.iter().map(|&(s, _)| s).collect();
         let to_send: Vec<ClaimIn> = sent.iter().map(|&i| claims[i]).collect();
-        let v = self.shared_claim(w, &to_send, &reached, u8::MAX)?;
+        for (s, g) in &marks {
+            let mark = to_send
+                .iter()
+                .map(|c| c.sighting)
+                .chain(reached.iter().copied())
+                .filter(|x| x.partition == s.partition)
+                .map(|x| x.offset)
+                .max();
+            if let Some(o) = mark {
+                self.sent_marks.insert(s.partition, (*g, o));
+            }
+        }
+        let v = self.shared_claim(w, &to_send, &reached, &prev, u8::MAX);
         if std::env::var_os("MODEL_TRACE").is_some() {
-            for (c, v) in to_send.iter().zip(&v) {
+            for (c, v) in to_send.iter().zip(v.iter().flatten()) {
                 eprintln!("    member {} claims {c:?}: {v:?}", self.pid);
             }
         }
+        (sent, v)
+    }
+
+    /// The `Claimer` taking one batch's answer, in order.
+    fn claimer_answer(
+        &mut self,
+        prepared: &Prepared,
+        sent: Vec<usize>,
+        answer: Result<Vec<Verdict>, Lost>,
+    ) -> Result<Vec<Verdict>, Lost> {
+        let (claims, generations) = (&prepared.claims, &prepared.generations);
+        let v = answer?;
         let mut all = vec![Verdict::Wait; claims.len()];
         for (&i, verdict) in sent.iter().zip(v) {
             if verdict == Verdict::Wait {
@@ -935,9 +972,10 @@ impl Member {
             in_flight.push(self.st.prepare(w, &records));
         }
         let mut lost: Option<Lost> = None;
+        let sends: Vec<_> = in_flight.iter().map(|prepared| self.claimer_send(w, prepared)).collect();
         let mut answers = Vec::new();
-        for prepared in &in_flight {
-            answers.push(self.claimer(w, &prepared.claims, &prepared.generations, &prepared.marks));
+        for (prepared, (sent, answer)) in in_flight.iter().zip(sends) {
+            answers.push(self.claimer_answer(prepared, sent, answer));
         }
         for (prepared, answer) in in_flight.into_iter().zip(answers) {
             match answer {
@@ -960,7 +998,9 @@ impl Member {
 
     /// The idle member's check on a flush tick: an empty claim.
     pub fn idle(&mut self, w: &mut World) -> Fate {
-        match self.claimer(w, &[], &[], &[]) {
+        let idle = Prepared::default();
+        let (sent, answer) = self.claimer_send(w, &idle);
+        match self.claimer_answer(&idle, sent, answer) {
             Ok(_) => Fate::Alive,
             Err(l) => self.start_over(w, l),
         }
@@ -973,7 +1013,7 @@ impl Member {
         self.st.ensure_pins(w, &records, Some(self.ns));
         let prepared = self.st.prepare(w, &records);
         let reached: Vec<Sighting> = prepared.marks.iter().map(|&(s, _)| s).collect();
-        let _ = self.shared_claim(w, &prepared.claims, &reached, groups);
+        let _ = self.shared_claim(w, &prepared.claims, &reached, &BTreeMap::new(), groups);
     }
 
     /// `Loop::apply`: the verdicts, fall-backs to private state, rewinds.

@@ -34,10 +34,17 @@ impl Model {
     }
 
     /// One poll batch: each claim in its group (`shard mod groups`), in order, then the
-    /// batch's marks (the highest offset per partition) in every group.
-    pub fn claim(&mut self, claims: &[Claim]) -> Vec<Verdict> {
+    /// batch's marks (the highest offset per partition) in every group. `prev`: per
+    /// partition, the mark the previous call sent; a group whose frontier is short of
+    /// it applies nothing of the partition (its claims wait).
+    pub fn claim(&mut self, claims: &[Claim], prev: &BTreeMap<i32, i64>) -> Vec<Verdict> {
         let mut marks: BTreeMap<i32, i64> = BTreeMap::new();
         let n = self.groups.len() as u32;
+        let refused: HashSet<(usize, i32)> = (0..self.groups.len())
+            .flat_map(|g| prev.iter().map(move |(&p, &o)| (g, p, o)))
+            .filter(|&(g, p, o)| self.groups[g].frontier.get(&p).map_or(-1, |&(claimed, _)| claimed) < o)
+            .map(|(g, p, _)| (g, p))
+            .collect();
         let verdicts = claims
             .iter()
             .map(|c| {
@@ -46,7 +53,11 @@ impl Model {
                     let mark = marks.entry(s.partition).or_insert(s.offset);
                     *mark = (*mark).max(s.offset);
                 }
-                let group = &mut self.groups[(c.fingerprint.shard(SHARDS) % n) as usize];
+                let g = (c.fingerprint.shard(SHARDS) % n) as usize;
+                if refused.contains(&(g, s.partition)) {
+                    return Verdict::Wait;
+                }
+                let group = &mut self.groups[g];
                 let f = group.frontier.get(&s.partition).map(|&(claimed, exact_from)| Frontier { claimed, exact_from });
                 let reread = f.is_some_and(|f| s.offset <= f.claimed);
                 let cached = reread && group.pins.contains(&(s.partition, s.offset));
@@ -70,8 +81,8 @@ impl Model {
                 v
             })
             .collect();
-        for group in &mut self.groups {
-            for (&p, &o) in &marks {
+        for (g, group) in self.groups.iter_mut().enumerate() {
+            for (&p, &o) in marks.iter().filter(|(p, _)| !refused.contains(&(g, **p))) {
                 let now = group.frontier.get(&p).copied();
                 if now.is_none_or(|(claimed, _)| o > claimed) {
                     group.frontier.insert(p, (o, now.map_or(0, |(_, exact_from)| exact_from)));
@@ -108,6 +119,7 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
     let mut next: HashMap<i32, i64> = HashMap::new();
     let mut clock: HashMap<i32, u32> = HashMap::new();
     let mut unconfirmed: HashMap<i32, (i64, Fingerprint)> = HashMap::new();
+    let mut last_mark: BTreeMap<i32, i64> = BTreeMap::new();
     let mut checked = 0;
     for round in 0..100 {
         // Now and then a reader starts over from an earlier offset (a re-read: claims the
@@ -154,8 +166,20 @@ pub async fn compare(mut cache: SharedCache, seed: u64) -> usize {
             claims.push(Claim { fingerprint, sighting, mode });
             *o += 1;
         }
-        let from_redis = cache.claim(&claims).await.unwrap();
-        let from_model = model.claim(&claims);
+        // Where the previous call left each partition, as the claimer sends it; now and
+        // then one ahead of it, as after a call that did not apply (its claims wait).
+        let mut prev: BTreeMap<i32, i64> = BTreeMap::new();
+        for c in &claims {
+            if let Some(&o) = last_mark.get(&c.sighting.partition) {
+                let ahead = rng.random_bool(0.05);
+                prev.insert(c.sighting.partition, if ahead { o + 1 } else { o });
+            }
+        }
+        let calls = cache.claim_calls(&claims, &[], &prev).await.unwrap();
+        let replies = cache.sender().await.unwrap().send(calls.calls.clone()).await;
+        last_mark = calls.marks().collect();
+        let from_redis = cache.answer(&calls, &claims, replies).unwrap();
+        let from_model = model.claim(&claims, &prev);
         for (i, (r, m)) in from_redis.iter().zip(&from_model).enumerate() {
             assert_eq!(r, m, "seed {seed}, round {round}, claim {i}: {:?}", claims[i]);
         }

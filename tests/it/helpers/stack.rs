@@ -115,6 +115,14 @@ impl PrivateStack {
         );
     }
 
+    /// The PID of `service` (`scripts/stack pid`); panics if it is down.
+    pub async fn pid(&self, service: &str) -> i32 {
+        let mut cmd = self.stack("pid", service);
+        let out = tokio::task::spawn_blocking(move || cmd.output().expect("run scripts/stack")).await.unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.trim().parse().unwrap_or_else(|_| panic!("no PID for {service}: {text:?}"))
+    }
+
     /// Starts `service` and returns once it answers (the script waits for readiness).
     pub async fn up(&self, service: &str) {
         self.must("up", service).await;
