@@ -107,9 +107,13 @@ pub(crate) fn with_properties(mut c: ClientConfig, k: &KafkaSettings) -> ClientC
     c
 }
 
-/// How long librdkafka waits before fetching again for a partition whose prefetch
-/// reached `queued.max.messages.kbytes` (see `group_consumer_config`).
-const MEMBER_FETCH_QUEUE_BACKOFF_MS: &str = "50";
+/// How long librdkafka waits before fetching again for a partition once its prefetch
+/// reached `queued.max.messages.kbytes` (default 1 s). A reader drains its prefetch in
+/// well under a second, so with the default it then waited on Kafka for the rest of
+/// the second: a member's loop 22-34 % of its time, its drain held at 109 000-111 000
+/// clicks/s (137 000-199 000 with 50 ms), and a replay at 121 000-240 000 records/s
+/// (425 000-564 000); docs/BENCHMARKS.md, 2026-12-04.
+const FETCH_QUEUE_BACKOFF_MS: &str = "50";
 
 /// A group consumer for `clickagg run`.
 pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
@@ -127,12 +131,7 @@ pub fn group_consumer_config(k: &KafkaSettings) -> ClientConfig {
         // Bounds librdkafka's prefetch: memory stays flat when ClickHouse is down and
         // consumption is paused.
         .set("queued.max.messages.kbytes", "16384")
-        // Once that bound is reached, librdkafka postpones the next fetch by this much
-        // (default 1 s). A member drains 16 MiB in well under a second, so with the
-        // default it then waited on Kafka for the rest of the second: 29-34 % of the
-        // loop's time, and a drain held at 110 000 clicks/s; with 50 ms, 6-8 % and
-        // 161 000 clicks/s (median of 3, docs/BENCHMARKS.md, 2026-12-04).
-        .set("fetch.queue.backoff.ms", MEMBER_FETCH_QUEUE_BACKOFF_MS)
+        .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
         .set("statistics.interval.ms", "5000")
         .set("client.id", member_client_id(k));
     if let Some(id) = &k.group_instance_id {
@@ -168,6 +167,7 @@ pub fn assigned_consumer_config(k: &KafkaSettings, group: &str) -> ClientConfig 
         .set("auto.offset.reset", "earliest")
         .set("queued.max.messages.kbytes", "65536")
         .set("fetch.message.max.bytes", "4194304")
+        .set("fetch.queue.backoff.ms", FETCH_QUEUE_BACKOFF_MS)
         .set("client.id", "clickagg-replay");
     with_properties(c, k)
 }
@@ -605,6 +605,7 @@ mod tests {
         // librdkafka's default second (a member waited on Kafka a third of its time).
         assert_eq!(g.get("queued.max.messages.kbytes"), Some("16384"));
         assert_eq!(g.get("fetch.queue.backoff.ms"), Some("50"));
+        assert_eq!(assigned_consumer_config(&k, "g").get("fetch.queue.backoff.ms"), Some("50"));
         k.properties.insert("fetch.queue.backoff.ms".into(), Secret::new("200"));
         assert_eq!(group_consumer_config(&k).get("fetch.queue.backoff.ms"), Some("200"), "an operator's choice wins");
         assert_eq!(member_client_id(&k), "mine");
