@@ -67,6 +67,14 @@ enum Command {
         claims: u64,
         #[arg(long, default_value_t = 2_000)]
         chunk: usize,
+        /// Claims sent first and not timed: the cache a member's window keeps full. The
+        /// sizing rule fills each of the 65 536 shard hashes with 64-128 entries, and a
+        /// claim into such a hash costs Redis more than one into a nearly empty one.
+        #[arg(long, default_value_t = 0)]
+        prefill: u64,
+        /// dedup.shards of the cache.
+        #[arg(long, default_value_t = 1 << 16)]
+        shards: u32,
         /// Key groups on a Redis Cluster (redis.slot_groups).
         #[arg(long)]
         groups: Option<u32>,
@@ -101,8 +109,8 @@ enum Command {
 async fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Consume { brokers, topic, records } => consume(brokers, topic, records).await,
-        Command::Claims { redis_url, claims, chunk, groups, wait_replicas } => {
-            claims_rate(redis_url, claims, chunk, groups, wait_replicas).await
+        Command::Claims { redis_url, claims, chunk, prefill, shards, groups, wait_replicas } => {
+            claims_rate(redis_url, claims, chunk, prefill, shards, groups, wait_replicas).await
         }
         Command::Memory { redis_url, keys, layout, flush_all } => {
             anyhow::ensure!(flush_all, "memory empties the Redis first: pass --flush-all for a Redis of its own");
@@ -324,43 +332,69 @@ async fn claims_rate(
     redis_url: String,
     n: u64,
     chunk: usize,
+    prefill: u64,
+    shards: u32,
     groups: Option<u32>,
     wait_replicas: Option<u32>,
 ) -> anyhow::Result<()> {
     let prefix = format!("clickagg-bench-{}:", rand::random::<u32>());
-    let all = claims(n, &Fingerprinter::new("bench"));
+    let mut all = claims(prefill + n, &Fingerprinter::new("bench"));
+    let timed = all.split_off(prefill as usize);
     let health = clickagg::health::Health::new();
-    let cache = cache(&redis_url, &prefix, 1 << 16, groups, wait_replicas)?;
-    let layout = format!("{} key group(s)", cache.groups());
+    let memory_before = memory_of_masters(&redis_url).await?;
+    let cache = cache(&redis_url, &prefix, shards, groups, wait_replicas)?;
+    let layout = format!("{} key group(s), {shards} shard hashes", cache.groups());
     let in_flight = clickagg::config::PipelineSettings::default().claims_in_flight;
     let (claimer, mut verdicts) = clickagg::cache::Claimer::start(cache, Duration::from_secs(1), in_flight, health);
+    // Sends `claims` in chunks, `in_flight` calls ahead of the verdicts, until every
+    // call is answered.
+    let mut send_all = async |claims: Vec<Claim>| -> anyhow::Result<()> {
+        let chunks: Vec<Vec<Claim>> = claims.chunks(chunk).map(<[Claim]>::to_vec).collect();
+        let total = chunks.len();
+        let mut chunks = chunks.into_iter();
+        let (mut sent, mut received) = (0, 0);
+        while received < total {
+            while sent < total && sent - received < in_flight + 1 {
+                let claims = chunks.next().expect("counted");
+                let generations = vec![0; claims.len()];
+                claimer.claim(clickagg::dedup::ClaimBatch { claims, generations, marks: Vec::new() });
+                sent += 1;
+            }
+            verdicts.recv().await.expect("claimer running")?;
+            received += 1;
+        }
+        Ok(())
+    };
+    if prefill > 0 {
+        send_all(all).await?;
+        println!(
+            "redis claims: {prefill} claims sent first, not timed ({:.1} per shard hash)",
+            prefill as f64 / shards as f64
+        );
+    }
     let cpu_before = cpu_seconds(&redis_url).await?;
     let started = Instant::now();
-    let mut sent = 0;
-    let mut received = 0;
-    let chunks: Vec<Vec<Claim>> = all.chunks(chunk).map(<[Claim]>::to_vec).collect();
-    let total = chunks.len();
-    let mut chunks = chunks.into_iter();
-    while received < total {
-        while sent < total && sent - received < in_flight + 1 {
-            let claims = chunks.next().expect("counted");
-            let generations = vec![0; claims.len()];
-            claimer.claim(clickagg::dedup::ClaimBatch { claims, generations, marks: Vec::new() });
-            sent += 1;
-        }
-        verdicts.recv().await.expect("claimer running")?;
-        received += 1;
-    }
+    send_all(timed).await?;
     let secs = started.elapsed().as_secs_f64();
     let cpu_after = cpu_seconds(&redis_url).await?;
     let (master_cpu, replica_cpu) = (cpu_after.0 - cpu_before.0, cpu_after.1 - cpu_before.1);
     println!(
-        "redis claims: {n} claims in {secs:.2} s = {:.0} claims/s (chunks of {chunk}, 2 in flight, {layout}); \
-         Redis CPU per claim: masters {:.2} us, replicas {:.2} us = {:.0} claims per master CPU-second",
+        "redis claims: {n} claims in {secs:.2} s = {:.0} claims/s (chunks of {chunk}, {in_flight} in flight, {layout}); \
+         Redis CPU per claim: masters {:.2} us, replicas {:.2} us = {:.0} claims per master CPU-second; \
+         master CPU busy {:.1} % of the time",
         n as f64 / secs,
         master_cpu * 1e6 / n as f64,
         replica_cpu * 1e6 / n as f64,
-        n as f64 / master_cpu
+        n as f64 / master_cpu,
+        master_cpu * 100.0 / secs
+    );
+    // Most claims are new clicks (`claims` repeats one in ten): memory per claim is
+    // close to memory per cache entry.
+    let grown = memory_of_masters(&redis_url).await?.saturating_sub(memory_before);
+    println!(
+        "redis claims: used_memory grew {} MB, {:.1} B per claim sent",
+        grown >> 20,
+        grown as f64 / (prefill + n) as f64
     );
     // Leave no benchmark keys behind, on every master (each scans its own keys). SCAN,
     // not KEYS: a shared Redis may hold millions of other keys.
@@ -390,6 +424,17 @@ async fn claims_rate(
         }
     }
     Ok(())
+}
+
+/// used_memory summed over the masters.
+async fn memory_of_masters(redis_url: &str) -> anyhow::Result<u64> {
+    let mut total = 0;
+    for (_, mut conn) in nodes(redis_url).await? {
+        if is_master(&mut conn).await? {
+            total += used_memory(&mut conn).await?;
+        }
+    }
+    Ok(total)
 }
 
 async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {
