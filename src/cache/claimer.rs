@@ -146,7 +146,7 @@ impl Task {
         let marks: Vec<(Sighting, u64)> = batch
             .marks
             .iter()
-            .filter(|(s, g)| !self.waiting.get(&s.partition).is_some_and(|w| g <= w))
+            .filter(|(s, g)| self.waiting.get(&s.partition).is_none_or(|w| g > w))
             .copied()
             .collect();
         let prev: BTreeMap<i32, i64> = marks

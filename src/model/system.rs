@@ -909,7 +909,7 @@ impl Member {
             self.waiting.remove(&claims[i].sighting.partition);
         }
         let marks: Vec<(Sighting, u64)> =
-            marks.iter().filter(|(s, g)| !self.waiting.get(&s.partition).is_some_and(|w| g <= w)).copied().collect();
+            marks.iter().filter(|(s, g)| self.waiting.get(&s.partition).is_none_or(|w| g > w)).copied().collect();
         let prev: BTreeMap<i32, i64> = marks
             .iter()
             .filter_map(|(s, g)| match self.sent_marks.get(&s.partition) {
@@ -1118,7 +1118,6 @@ impl Member {
         if let Some(stages) = crash_after {
             add(&coverage::MID_FLUSH_CRASHES, 1);
             w.write(&job, Writer::Member, self.ns.tag, stages);
-            if stages >= 1 {}
             return Fate::Dead;
         }
         w.write(&job, Writer::Member, self.ns.tag, 3);
