@@ -341,7 +341,7 @@ async fn claims_rate(
     let mut all = claims(prefill + n, &Fingerprinter::new("bench"));
     let timed = all.split_off(prefill as usize);
     let health = clickagg::health::Health::new();
-    let memory_before = memory_of_masters(&redis_url).await?;
+    let memory_before = masters_memory(&redis_url).await?;
     let cache = cache(&redis_url, &prefix, shards, groups, wait_replicas)?;
     let layout = format!("{} key group(s), {shards} shard hashes", cache.groups());
     let in_flight = clickagg::config::PipelineSettings::default().claims_in_flight;
@@ -390,7 +390,7 @@ async fn claims_rate(
     );
     // Most claims are new clicks (`claims` repeats one in ten): memory per claim is
     // close to memory per cache entry.
-    let grown = memory_of_masters(&redis_url).await?.saturating_sub(memory_before);
+    let grown = masters_memory(&redis_url).await?.saturating_sub(memory_before);
     println!(
         "redis claims: used_memory grew {} MB, {:.1} B per claim sent",
         grown >> 20,
@@ -424,17 +424,6 @@ async fn claims_rate(
         }
     }
     Ok(())
-}
-
-/// used_memory summed over the masters.
-async fn memory_of_masters(redis_url: &str) -> anyhow::Result<u64> {
-    let mut total = 0;
-    for (_, mut conn) in nodes(redis_url).await? {
-        if is_master(&mut conn).await? {
-            total += used_memory(&mut conn).await?;
-        }
-    }
-    Ok(total)
 }
 
 async fn used_memory(conn: &mut redis::aio::MultiplexedConnection) -> anyhow::Result<u64> {

@@ -143,12 +143,8 @@ impl Task {
         }
         let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
         // Marks of a reader generation that had to wait are stale like its claims.
-        let marks: Vec<(Sighting, u64)> = batch
-            .marks
-            .iter()
-            .filter(|(s, g)| self.waiting.get(&s.partition).is_none_or(|w| g > w))
-            .copied()
-            .collect();
+        let marks: Vec<(Sighting, u64)> =
+            batch.marks.iter().filter(|(s, g)| self.waiting.get(&s.partition).is_none_or(|w| g > w)).copied().collect();
         let prev: BTreeMap<i32, i64> = marks
             .iter()
             .filter_map(|(s, g)| match self.sent_marks.get(&s.partition) {
