@@ -165,8 +165,7 @@ async fn resetting_the_group_to_the_beginning_and_consuming_again_changes_no_cou
 /// takes at most one insert per second, whatever the partitions and batches. Counted by
 /// ClickHouse itself: every insert into a MergeTree table takes the next block number,
 /// and merged parts keep the range, so the highest block number of a table is the
-/// number of inserts it took. (One insert over two day partitions of the minute table
-/// takes two block numbers: the clicks are planned within one UTC day.)
+/// number of inserts it took.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_one_second_flush_interval_gives_at_most_one_insert_per_table_per_second() {
     let mut env = TestEnv::new("coalesce").await;
@@ -175,7 +174,7 @@ async fn a_one_second_flush_interval_gives_at_most_one_insert_per_table_per_seco
     // partition: a flush per batch would show at once.
     env.batch_offsets = 100;
     let spec = Spec { count: 48_000, cross_partition_ratio: 0.3, seed: 71, ..Spec::default() };
-    let (records, truth) = clickagg::produce::plan(&Spec { start_ms: start_within_one_day(&spec), ..spec });
+    let (records, truth) = env.plan(spec);
     let producer = env.spawn_producer(&records, 8, 2_000);
     let mut member = env.spawn_member("m");
     member.wait_for_line("partitions assigned", 0, Duration::from_secs(60)).await;
@@ -205,17 +204,6 @@ async fn a_one_second_flush_interval_gives_at_most_one_insert_per_table_per_seco
     producer.finished().await;
     env.assert_counts_converge(&truth.counts, CONVERGE).await;
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
-}
-
-/// Where `spec`'s send times start so that they end now, as `TestEnv::plan` plans them,
-/// unless its clicks (late ones up to 20 minutes before their send time) would then
-/// reach into the previous UTC day: then they all end a minute before midnight.
-fn start_within_one_day(spec: &Spec) -> i64 {
-    let span = spec.span.as_millis() as i64;
-    let now = chrono::Utc::now().timestamp_millis();
-    let midnight = now - now.rem_euclid(86_400_000);
-    let end = if now - span - 21 * 60_000 < midnight { midnight - 60_000 } else { now };
-    end - span
 }
 
 /// Table → inserts it took so far (its highest block number), in the test's database.
