@@ -20,9 +20,5 @@ CREATE TABLE IF NOT EXISTS ad_clicks_minute
     written_at  DateTime('UTC') DEFAULT now()
 )
 ENGINE = ReplacingMergeTree(version)
--- By UTC day: the table is sorted by ad first, so a read of a time range for every ad
--- (today's unsealed hours, a seal) reads every granule of the partitions it touches;
--- a day partition holds a day's rows, a month partition thirty. (Tables created before
--- 2026-12-04 are partitioned by month; README, "Minute table partitions".)
-PARTITION BY toYYYYMMDD(minute)
+PARTITION BY toYYYYMM(minute)
 ORDER BY (ad_id, minute, topic, partition, batch_start);

@@ -191,7 +191,7 @@ mod tests {
         let forms = cluster_statements(minute, "clickagg", "clickagg_cluster").unwrap();
         assert!(forms[0].starts_with("CREATE TABLE IF NOT EXISTS `clickagg`.ad_clicks_minute_local ON CLUSTER `clickagg_cluster`\n(\n    ad_id       UInt64,"), "{}", forms[0]);
         assert!(forms[0].contains(
-            "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/clickagg/ad_clicks_minute_local', '{replica}', version)\nPARTITION BY toYYYYMMDD(minute)\nORDER BY (ad_id, minute, topic, partition, batch_start)"
+            "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/clickagg/ad_clicks_minute_local', '{replica}', version)\nPARTITION BY toYYYYMM(minute)\nORDER BY (ad_id, minute, topic, partition, batch_start)"
         ), "{}", forms[0]);
         assert_eq!(
             forms[1],

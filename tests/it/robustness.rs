@@ -80,9 +80,9 @@ async fn a_rejected_record_whose_header_key_is_not_utf8_is_dead_lettered_and_cou
 }
 
 /// A backfill of 150 months read in one poll batch becomes one flush over 150 of the
-/// table's partitions (150 days; 150 months in a table created before day partitions).
-/// Current ClickHouse refuses an INSERT over more than 100 (code 252) on every retry, so
-/// the flush must be split; 18.16 takes either, and the counts must come out exact.
+/// table's monthly partitions. Current ClickHouse refuses an INSERT over more than 100
+/// (code 252) on every retry, so the flush must be split; 18.16 takes either, and the
+/// counts must come out exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_over_150_months_is_written_and_counted() {
     let env = TestEnv::new("months").await;
