@@ -68,8 +68,8 @@ enum Command {
         #[arg(long, default_value_t = 2_000)]
         chunk: usize,
         /// Claims sent first and not timed: the cache a member's window keeps full. The
-        /// sizing rule fills each of the 65 536 shard hashes with 64-128 entries, and a
-        /// claim into such a hash costs Redis more than one into a nearly empty one.
+        /// sizing rule fills each shard hash with 64-128 entries, and a claim into such
+        /// a hash costs Redis more than one into a nearly empty one.
         #[arg(long, default_value_t = 0)]
         prefill: u64,
         /// dedup.shards of the cache.
@@ -338,8 +338,8 @@ async fn claims_rate(
     wait_replicas: Option<u32>,
 ) -> anyhow::Result<()> {
     let prefix = format!("clickagg-bench-{}:", rand::random::<u32>());
-    let mut all = claims(prefill + n, &Fingerprinter::new("bench"));
-    let timed = all.split_off(prefill as usize);
+    let mut untimed = claims(prefill + n, &Fingerprinter::new("bench"));
+    let timed = untimed.split_off(prefill as usize);
     let health = clickagg::health::Health::new();
     let memory_before = masters_memory(&redis_url).await?;
     let cache = cache(&redis_url, &prefix, shards, groups, wait_replicas)?;
@@ -366,7 +366,7 @@ async fn claims_rate(
         Ok(())
     };
     if prefill > 0 {
-        send_all(all).await?;
+        send_all(untimed).await?;
         println!(
             "redis claims: {prefill} claims sent first, not timed ({:.1} per shard hash)",
             prefill as f64 / shards as f64
