@@ -346,19 +346,20 @@ async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_t
 
     // Wrong rows in that day's batches, as a past flush that miscounted (a cache lost
     // mid-run, say) would have left them: over- and under-counts of member rows, and a
-    // bucket no click of the log is in. Each in an ad-minute of its own: two wrong rows
-    // of one ad-minute (two partitions' rows) would show as one mismatch, or none if
-    // their errors cancel. (The hash order depends on the day, so which rows come first
-    // changes from day to day.)
+    // bucket no click of the log is in. Each in an ad-minute of its own (`LIMIT 1 BY`):
+    // two wrong rows of one ad-minute (two partitions' rows) would show as one
+    // mismatch, or none if their errors cancel, and the hash order that picks them
+    // changes with the day the test runs.
     let (from, to) = (day, day + DAY);
-    let candidates: Vec<StoredRow> = env
+    let written: Vec<StoredRow> = env
         .sink()
         .client()
         .query(
             "SELECT ad_id, toUInt32(minute) AS minute, partition, batch_start, argMax(clicks, version) AS last_clicks, \
              max(version) AS last_version FROM ad_clicks_minute WHERE topic = ? AND minute >= toDateTime(?, 'UTC') \
              AND minute < toDateTime(?, 'UTC') GROUP BY ad_id, minute, partition, batch_start \
-             HAVING last_clicks > 1 ORDER BY cityHash64(ad_id, minute, partition) LIMIT 200",
+             HAVING last_clicks > 1 ORDER BY cityHash64(ad_id, minute, partition) \
+             LIMIT 1 BY ad_id, minute LIMIT 12",
         )
         .bind(&env.topic)
         .bind(from)
@@ -366,9 +367,6 @@ async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_t
         .fetch_all()
         .await
         .unwrap();
-    let mut buckets = std::collections::HashSet::new();
-    let written: Vec<StoredRow> =
-        candidates.into_iter().filter(|r| buckets.insert((r.ad_id, r.minute))).take(12).collect();
     assert_eq!(written.len(), 12, "rows to make wrong, each in an ad-minute of its own: {written:?}");
     let last_in_batch = |batch_start: u64| 2 * (batch_start + n - 1) + 1;
     let mut wrong: Vec<StoredRow> = written
