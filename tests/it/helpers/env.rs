@@ -27,6 +27,8 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_clickagg");
 /// at once. A sealed hour is read from the sealed tables only once a seal was computed
 /// more than this after the hour's last write.
 pub const SEAL_SLACK: Duration = Duration::from_secs(1);
+/// How long a test's sealing round is retried while it fails transiently.
+pub const SEAL_RETRY_FOR: Duration = Duration::from_secs(120);
 
 /// Service endpoints: `scripts/stack env` defaults, overridable like the product's.
 pub fn brokers() -> String {
@@ -449,13 +451,31 @@ impl TestEnv {
 
     /// One sealing round through `through` (Unix s), as `clickagg seal --through` runs
     /// it, in this process; after waiting out the slack, so that what was written
-    /// before the call is in seals that reads use.
+    /// before the call is in seals that reads use. Like the command, a round that fails
+    /// transiently is retried: just after a replica comes back, ClickHouse refuses an
+    /// insert until the quorum of the previous one is met (code 286). Panics on a fatal
+    /// error, or when the round still fails after [`SEAL_RETRY_FOR`].
     pub async fn seal_through(&self, through: u32) -> clickagg::seal::Report {
         tokio::time::sleep(SEAL_SLACK * 2).await;
         let s = self.settings();
         let sealer =
             clickagg::seal::Sealer::new(self.sink(), &self.topic, clickagg::seal::Due::Through(through), s.seal.slack);
-        sealer.round(None).await.expect("a sealing round")
+        let give_up = tokio_util::sync::CancellationToken::new();
+        let deadline = {
+            let give_up = give_up.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(SEAL_RETRY_FOR).await;
+                give_up.cancel();
+            })
+        };
+        let report =
+            clickagg::retry::until_done("a sealing round", s.pipeline.max_backoff, &give_up, || sealer.round(None)).await;
+        deadline.abort();
+        match report {
+            Ok(report) => report,
+            Err(clickagg::retry::Stopped::Fatal(e)) => panic!("a sealing round failed: {e:?}"),
+            Err(clickagg::retry::Stopped::ShutDown) => panic!("a sealing round still failed after {SEAL_RETRY_FOR:?}"),
+        }
     }
 
     /// Seals every hour up to the current one (a round through the end of this hour) and
