@@ -150,6 +150,9 @@ struct Reader {
     /// The partition clock after the last record applied (its claim decided): what the
     /// sweeper must keep a window before (`Stages::holds`).
     decided_clock: Secs,
+    /// The last offset applied (its claim decided): a reader is behind its log end, and
+    /// holds, until this one is the last — not `last`, taken in before its claim went out.
+    decided: i64,
     /// Commits of this partition go out only past it (`Start::commit_floor`), which
     /// rises with every commit cut.
     commit_floor: i64,
@@ -488,9 +491,16 @@ impl Stages {
     /// The record time is the clock after the last record *applied*, not the last one
     /// read: the claims of the poll batches in flight (and of a reader rewound to a
     /// sighting that waited) are still to be decided, and on a backlog two poll batches
-    /// can span more than a window of record time.
+    /// can span more than a window of record time. For the same reason a reader is
+    /// behind until its last *applied* offset is the log end's: one that has taken in
+    /// the last record while its claims were still on their way released its hold, and
+    /// another member's sweeper deleted the old sightings those claims then missed
+    /// (copies on other partitions counted twice).
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
-        self.readers.iter().map(|(&p, r)| (p, hold(r.decided_clock, behind(p, r.last), self.max_record_lag))).collect()
+        self.readers
+            .iter()
+            .map(|(&p, r)| (p, hold(r.decided_clock, behind(p, r.decided), self.max_record_lag)))
+            .collect()
     }
 
     /// The second step of a poll batch: the shared cache's verdicts (in the order of
@@ -532,6 +542,7 @@ impl Stages {
             applied.insert(p, i.record.offset);
             if let Some(reader) = self.readers.get_mut(&p) {
                 reader.decided_clock = i.now;
+                reader.decided = i.record.offset;
             }
             if let Some(trace) = &mut self.trace {
                 let click = i.record.outcome.as_ref().ok().cloned();
@@ -735,6 +746,7 @@ impl Reader {
             count_from: start.count_from,
             clock: Timeline::new(start.clock),
             decided_clock: start.clock.now(),
+            decided: start.read_from - 1,
             scope: start.scope,
             pins,
             last: start.read_from - 1,

@@ -329,6 +329,8 @@ struct Reader {
     clock: Timeline,
     /// `pipeline::Reader::decided_clock`.
     decided_clock: Secs,
+    /// `pipeline::Reader::decided`: the last offset applied.
+    decided: i64,
     scope: Scope,
     pins: BTreeMap<i64, Pin>,
     pins_until: i64,
@@ -344,6 +346,7 @@ impl Reader {
             count_from: start.count_from,
             clock: Timeline::new(start.clock),
             decided_clock: start.clock.now(),
+            decided: start.read_from - 1,
             scope: start.scope,
             pins,
             pins_until,
@@ -595,6 +598,7 @@ impl Stages {
             applied.insert(i.p, i.offset);
             if let Some(r) = self.readers.get_mut(&i.p) {
                 r.decided_clock = i.now;
+                r.decided = i.offset;
             }
             if i.warm {
                 continue;
@@ -774,7 +778,8 @@ impl Member {
     }
 
     /// `Loop::give_holds` (`Stages::holds`): per partition read, its record time while it
-    /// lags the wall clock by more than half of `max_record_lag` and is behind the log end.
+    /// lags the wall clock by more than half of `max_record_lag` and its last record
+    /// applied is behind the log end.
     pub fn give_holds(&mut self, w: &mut World) {
         let holds: BTreeMap<i32, Option<Secs>> = self
             .st
@@ -782,7 +787,7 @@ impl Member {
             .iter()
             .map(|(&p, r)| {
                 let clock = r.decided_clock;
-                let lagging = w.wall.saturating_sub(clock) > LAG / 2 && r.last + 1 < w.len(p);
+                let lagging = w.wall.saturating_sub(clock) > LAG / 2 && r.decided + 1 < w.len(p);
                 (p, lagging.then_some(clock))
             })
             .collect();
@@ -964,6 +969,13 @@ impl Member {
     /// together, at most two), claimed in order, applied in order; a loss starts every
     /// partition over once the batches in flight are answered.
     pub fn read(&mut self, w: &mut World, batches: &[(i32, usize)]) -> Fate {
+        self.read_between(w, batches, |_| {})
+    }
+
+    /// [`read`](Self::read), with `between` run once the batches are taken in and before
+    /// their claims reach Redis: the loop gives its holds on its tick meanwhile (as the
+    /// real one does while poll batches are in flight), then `between` (a sweeper's walk).
+    pub fn read_between(&mut self, w: &mut World, batches: &[(i32, usize)], between: impl FnOnce(&mut World)) -> Fate {
         self.give_holds(w);
         let mut in_flight = Vec::new();
         for &(p, k) in batches {
@@ -971,6 +983,8 @@ impl Member {
             self.st.ensure_pins(w, &records, Some(self.ns));
             in_flight.push(self.st.prepare(w, &records));
         }
+        self.give_holds(w);
+        between(w);
         let mut lost: Option<Lost> = None;
         let sends: Vec<_> = in_flight.iter().map(|prepared| self.claimer_send(w, prepared)).collect();
         let mut answers = Vec::new();
@@ -1190,11 +1204,18 @@ impl Member {
 
     /// One walk of this member's sweeper at the current wall clock.
     pub fn sweep(&self, w: &mut World) {
-        let held = w.redis.lowest_hold(self.ns);
-        let window = Duration::from_secs(u64::from(self.st.window));
-        let cutoff = sweep_cutoff(i64::from(w.wall), window, Duration::from_secs(u64::from(LAG)), held);
-        add(&coverage::SWEEPS, 1);
-        add(&coverage::SWEPT, w.redis.sweep(self.ns, cutoff));
+        self.sweeper()(w);
+    }
+
+    /// This member's sweeper, to walk while another member's step is under way.
+    pub fn sweeper(&self) -> impl FnOnce(&mut World) {
+        let (ns, window) = (self.ns, Duration::from_secs(u64::from(self.st.window)));
+        move |w: &mut World| {
+            let held = w.redis.lowest_hold(ns);
+            let cutoff = sweep_cutoff(i64::from(w.wall), window, Duration::from_secs(u64::from(LAG)), held);
+            add(&coverage::SWEEPS, 1);
+            add(&coverage::SWEPT, w.redis.sweep(ns, cutoff));
+        }
     }
 }
 
