@@ -694,8 +694,8 @@ clickhouse_cluster_up() {
       for port in "$(cc_http "$n")" "$(cc_tcp "$n")" "$(cc_interserver "$n")"; do
         port_open "$port" && die "clickhouse-cluster:$n: port $port is taken by a process this script did not start; set CLICKHOUSE_CLUSTER_HTTP_PORT, CLICKHOUSE_CLUSTER_TCP_PORT and CLICKHOUSE_CLUSTER_INTERSERVER_PORT"
       done
-      bin=$(clickhouse_bin)
-      if [ -z "$bin" ]; then apt_install clickhouse-server clickhouse-client; bin=$(clickhouse_bin); fi
+      bin=$(clickhouse_server_bin)
+      if [ -z "$bin" ]; then apt_install clickhouse-server clickhouse-client; bin=$(clickhouse_server_bin); fi
       [ -n "$bin" ] || die "clickhouse: no clickhouse-server binary after installing"
       clickhouse_cluster_config "$n"
       log "clickhouse-cluster:$n: starting on http://127.0.0.1:$(cc_http "$n") (tcp $(cc_tcp "$n"), shard $(cc_shard "$n"), replica $(cc_replica "$n"))"
@@ -714,7 +714,7 @@ clickhouse_cluster_up() {
         log "clickhouse-cluster:$n: refused to start: its local parts differ from ZooKeeper's after an unclean stop; starting once more with flags/force_restore_data"
         mkdir -p "$cc_dir/node$n/data/flags"
         touch "$cc_dir/node$n/data/flags/force_restore_data"
-        cc_start "$n" "$(clickhouse_bin)"
+        cc_start "$n" "$(clickhouse_server_bin)"
         cc_wait_started "$n" || cc_start_failed "$n"
       else
         cc_start_failed "$n"

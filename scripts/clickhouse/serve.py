@@ -1,4 +1,5 @@
-"""Serves a current ClickHouse engine (chdb-core's, in-process) over HTTP and TCP.
+"""Serves a current ClickHouse engine (chdb-core's, in-process) over HTTP and TCP: the
+default ClickHouse of scripts/stack, and the mirror of scripts/current-clickhouse.
 
 chdb's connection API (`chdb.connect`) runs the engine without a server: `SYSTEM START
 LISTEN` there fails with "start_servers_callback is not set". Its one-shot `query`

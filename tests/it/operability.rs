@@ -416,10 +416,12 @@ async fn rediss_with_a_private_ca_counts_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_clickhouse_with_a_private_ca_and_a_password_counts_exactly() {
-    let stack = PrivateStack::start_with("chs", &["clickhouse"], &["CLICKHOUSE_HTTPS_PORT"]).await;
+    // ClickHouse 18.16: the current engine of the stack serves no HTTPS (README,
+    // "ClickHouse versions").
+    let stack = PrivateStack::start_with("chs", &["clickhouse18"], &["CLICKHOUSE18_HTTPS_PORT"]).await;
     let mut env = TestEnv::with_stack("chhttps", &stack).await;
-    env.clickhouse_url = format!("https://127.0.0.1:{}", stack.port("CLICKHOUSE_HTTPS_PORT"));
-    env.clickhouse_ca = Some(stack.dir().join("clickhouse/tls/cert.pem"));
+    env.clickhouse_url = format!("https://127.0.0.1:{}", stack.port("CLICKHOUSE18_HTTPS_PORT"));
+    env.clickhouse_ca = Some(stack.dir().join("clickhouse18/tls/cert.pem"));
     env.extra_env.extend(
         [("CLICKAGG__CLICKHOUSE__USER", "clickagg"), ("CLICKAGG__CLICKHOUSE__PASSWORD", "clickagg-local-password")]
             .map(|(k, v)| (k.to_string(), v.to_string())),

@@ -62,7 +62,8 @@ impl PrivateStack {
             ("KAFKA_HEAP".to_string(), "512m".to_string()),
         ];
         let ports = ["KAFKA_PORT", "KAFKA_CONTROLLER_PORT", "KAFKA_SASL_PORT", "REDIS_PORT"];
-        let ports = ports.iter().chain(&["CLICKHOUSE_HTTP_PORT", "CLICKHOUSE_TCP_PORT"]).chain(extra_ports);
+        let clickhouse = ["CLICKHOUSE_HTTP_PORT", "CLICKHOUSE_TCP_PORT", "CLICKHOUSE18_HTTP_PORT", "CLICKHOUSE18_TCP_PORT"];
+        let ports = ports.iter().chain(&clickhouse).chain(extra_ports);
         env.extend(ports.map(|k| (k.to_string(), free_port().to_string())));
         env.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         let stack = PrivateStack { dir, env, services: services.to_vec() };
@@ -92,8 +93,16 @@ impl PrivateStack {
         self.has("redis").then(|| format!("redis://127.0.0.1:{}/", self.port("REDIS_PORT")))
     }
 
+    /// The current ClickHouse (`clickhouse`), or else ClickHouse 18.16 (`clickhouse18`).
     pub fn clickhouse_url(&self) -> Option<String> {
-        self.has("clickhouse").then(|| format!("http://127.0.0.1:{}", self.port("CLICKHOUSE_HTTP_PORT")))
+        let port = if self.has("clickhouse") {
+            "CLICKHOUSE_HTTP_PORT"
+        } else if self.has("clickhouse18") {
+            "CLICKHOUSE18_HTTP_PORT"
+        } else {
+            return None;
+        };
+        Some(format!("http://127.0.0.1:{}", self.port(port)))
     }
 
     fn stack(&self, command: &str, service: &str) -> Command {
