@@ -28,9 +28,16 @@ pub struct Health {
     /// Set while the schema registry does not answer (Avro and Protobuf topics): the
     /// poll batch waits for its schemas.
     schema_registry_down: AtomicBool,
+    /// Set for good once the Kafka client reported a record batch it cannot decode:
+    /// consumption stops there (`member::poll_loop`), and only an operator can help.
+    undecodable: AtomicBool,
     /// Here because every stage that reports to it already holds the `Health`.
     status: StatusBoard,
 }
+
+/// The readiness reason of a member stopped at a record batch it cannot decode.
+pub const UNDECODABLE: &str = "kafka: the client cannot decode a record batch; consumption stopped, nothing past it \
+     is counted or committed (see the log and clickagg_undecodable_batches_total)";
 
 /// Why Redis refuses claims; decides the readiness reason and the metric label.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,6 +129,16 @@ impl Health {
         self.schema_registry_down.store(!ok, Ordering::Relaxed);
     }
 
+    /// Records that the Kafka client could not decode a record batch.
+    pub fn set_undecodable(&self) {
+        self.undecodable.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether consumption stopped at a record batch the client cannot decode.
+    pub fn undecodable(&self) -> bool {
+        self.undecodable.load(Ordering::Relaxed)
+    }
+
     /// The state behind `/status.json`.
     pub fn status(&self) -> &StatusBoard {
         &self.status
@@ -140,6 +157,9 @@ impl Health {
         }
         if self.schema_registry_down.load(Ordering::Relaxed) {
             not.push("schema registry unreachable: records wait for their schemas");
+        }
+        if self.undecodable() {
+            not.push(UNDECODABLE);
         }
         if not.is_empty() {
             Ok(())

@@ -77,6 +77,13 @@ pub const SCHEMAS_FETCHED: &str = "clickagg_schemas_fetched_total";
 pub const KAFKA_OPS: [&str; 4] = ["client", "consume", "commit", "dead_letter"];
 pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
+/// ClickHouse errors whose code `sink::CODES` does not list, per `code`: retried.
+pub const CLICKHOUSE_UNKNOWN_ERRORS: &str = "clickagg_clickhouse_unknown_errors_total";
+/// Record batches the Kafka client could not decode (a codec it lacks, a CRC mismatch,
+/// corrupt compressed data); the first one stops consumption (`CONSUMPTION_STOPPED`).
+pub const UNDECODABLE_BATCHES: &str = "clickagg_undecodable_batches_total";
+/// 1 once consumption stopped for good (until a restart): a batch could not be decoded.
+pub const CONSUMPTION_STOPPED: &str = "clickagg_consumption_stopped";
 /// Records read whose claims Redis has not answered yet (poll batches in flight).
 pub const RECORDS_AWAITING_CLAIMS: &str = "clickagg_records_awaiting_claims";
 /// Hours and days sealed for the first time, per `grain` (`hour`, `day`).
@@ -141,6 +148,9 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (SCHEMAS_FETCHED, Kind::Counter, "Schema IDs looked up in the schema registry or the schema files, each once per process."),
     (BUCKETS_HELD, Kind::Gauge, "Changed count buckets held in memory until a flush makes them durable."),
     (PAUSED, Kind::Gauge, "1 while consumption is paused (Redis refusing claims, or too many unflushed buckets)."),
+    (CLICKHOUSE_UNKNOWN_ERRORS, Kind::Counter, "ClickHouse errors whose code clickagg's table does not list, by code; retried like an outage."),
+    (UNDECODABLE_BATCHES, Kind::Counter, "Record batches the Kafka client could not decode (a codec it lacks, a CRC mismatch, corrupt data)."),
+    (CONSUMPTION_STOPPED, Kind::Gauge, "1 once consumption stopped until a restart, because a record batch could not be decoded."),
     (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
     (STAGE_TIME, Kind::Counter, "Microseconds each task (stage: loop, claimer, flusher) spent per state (busy, or what it waited for)."),
     (POLL_BATCH_RECORDS, Kind::Histogram, "Records per poll batch the loop takes in."),
@@ -274,6 +284,8 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
         metrics::counter!(REDIS_ERRORS, "kind" => kind).absolute(0);
     }
     metrics::gauge!(PAUSED).set(0.0);
+    metrics::counter!(UNDECODABLE_BATCHES).absolute(0);
+    metrics::gauge!(CONSUMPTION_STOPPED).set(0.0);
     // A standby (more members than partitions) is never assigned any: 0, not "no data".
     metrics::gauge!(ASSIGNED_PARTITIONS).set(0.0);
     metrics::gauge!(RECORDS_AWAITING_CLAIMS).set(0.0);

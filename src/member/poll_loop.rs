@@ -144,6 +144,10 @@ impl Loop<'_> {
                 chunk = chunks.next(), if (in_flight.len() < max_in_flight || paused) && lost.is_none() => {
                     clock.mark("waiting_for_kafka");
                     let Some(chunk) = chunk else { return Ok(()) };
+                    // Stopped at a batch the client cannot decode: nothing more is taken in.
+                    if self.health.undecodable() {
+                        continue;
+                    }
                     metrics::histogram!(t::POLL_BATCH_RECORDS).record(chunk.len() as f64);
                     // Avro and Protobuf: the schemas this batch names, before any is decoded
                     // (a registry outage waits here, consumption paused with it).
@@ -160,6 +164,11 @@ impl Loop<'_> {
                                 metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
                                 if source::is_fatal_kafka(e.rdkafka_error_code()) {
                                     fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
+                                }
+                                if source::is_undecodable(e.rdkafka_error_code()) {
+                                    self.stop_undecodable(&e);
+                                    // What came after it in this poll batch is dropped, unread.
+                                    break;
                                 }
                                 if kafka_log.allow("consume", Instant::now()).is_some() {
                                     warn!(error = %e, "kafka consume error");
@@ -363,13 +372,31 @@ impl Loop<'_> {
         Ok(())
     }
 
+    /// A record batch the client cannot decode: librdkafka skips it, and its error does
+    /// not say which partition it was in, so the member stops taking in records for
+    /// good (until a restart) rather than count on past it and lose its clicks. What was
+    /// taken in before it is still flushed and committed; the member stays in the group,
+    /// not ready, so that an operator sees it (`clickagg_consumption_stopped`, the alert
+    /// ClickaggConsumptionStopped) and fixes the client or the topic.
+    fn stop_undecodable(&self, e: &rdkafka::error::KafkaError) {
+        metrics::counter!(t::UNDECODABLE_BATCHES).increment(1);
+        if !self.health.undecodable() {
+            tracing::error!(error = %e, "the Kafka client cannot decode a record batch: consumption stops here, and \
+                 nothing read after it is counted or committed; a member built with every codec, or a repaired \
+                 topic, reads on from the last commit");
+        }
+        self.health.set_undecodable();
+        metrics::gauge!(t::CONSUMPTION_STOPPED).set(1.0);
+    }
+
     /// While ClickHouse cannot take the rows, or Redis refuses claims (unreachable, out
     /// of memory, read-only), stop fetching but keep polling, so the member stays in the
     /// group and rebalances are served. Returns whether paused.
     pub(super) async fn backpressure(&self, max_unflushed: usize) -> Result<bool, PipelineError> {
         let held = self.stages.lock().await.unflushed_buckets() + self.flusher.buckets_in_flight();
         let redis = self.health.claims_failing();
-        let pause = held >= max_unflushed || redis.is_some();
+        let stopped = self.health.undecodable();
+        let pause = held >= max_unflushed || redis.is_some() || stopped;
         if pause != self.paused.load(Ordering::Relaxed) {
             // Set before pausing: a rebalance callback checks it for new partitions.
             self.paused.store(pause, Ordering::Relaxed);
@@ -377,6 +404,7 @@ impl Loop<'_> {
             if pause {
                 self.consumer.pause(&assignment)?;
                 match redis {
+                    _ if stopped => warn!("pausing consumption for good: a record batch cannot be decoded"),
                     Some(trouble) => warn!(redis = trouble.label(), "pausing consumption until Redis accepts claims"),
                     None => warn!(unflushed_buckets = held, "pausing consumption until ClickHouse takes the backlog"),
                 }

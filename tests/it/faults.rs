@@ -5,20 +5,9 @@ use std::time::{Duration, Instant};
 
 use clickagg::produce::Spec;
 
-use crate::helpers::{equals, wait_until, Member, PrivateStack, TestEnv};
+use crate::helpers::{equals, wait_ready, wait_until, PrivateStack, TestEnv};
 
 const CONVERGE: Duration = Duration::from_secs(240);
-
-/// Polls `/readyz` until its status is `want`; returns the body.
-async fn wait_ready(member: &Member, want: u16, timeout: Duration) -> String {
-    wait_until(&format!("/readyz answers {want}"), timeout, || async {
-        match member.http_get("/readyz").await {
-            (status, body) if status == want => Ok(body),
-            (status, body) => Err(format!("{status} {body}")),
-        }
-    })
-    .await
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_down_for_20s_pauses_processing_commits_nothing_and_counts_exactly() {

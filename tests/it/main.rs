@@ -4,6 +4,7 @@
 
 mod backfill;
 mod cache_trust;
+mod codecs;
 mod dead_letters;
 mod decisions;
 mod dedup_cache;

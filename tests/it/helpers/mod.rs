@@ -28,6 +28,6 @@ pub mod wait;
 pub use env::{redis_url, StoredRow, TestEnv};
 pub use http::metric_value;
 pub use kafka::{positions_of_keys, read_dead_letters, source_payload};
-pub use process::Member;
+pub use process::{wait_ready, Member};
 pub use stack::PrivateStack;
 pub use wait::{equals, wait_until};

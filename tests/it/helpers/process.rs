@@ -197,3 +197,14 @@ impl Drop for Member {
         self.signal(libc::SIGKILL);
     }
 }
+
+/// Polls the member's `/readyz` until its status is `want`; returns the body.
+pub async fn wait_ready(member: &Member, want: u16, timeout: std::time::Duration) -> String {
+    super::wait_until(&format!("/readyz answers {want}"), timeout, || async {
+        match member.http_get("/readyz").await {
+            (status, body) if status == want => Ok(body),
+            (status, body) => Err(format!("{status} {body}")),
+        }
+    })
+    .await
+}
