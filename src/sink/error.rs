@@ -42,16 +42,17 @@ const GRANTS: &str =
     "grant clickhouse.user SELECT, INSERT and CREATE on clickhouse.database in a profile that is not readonly";
 const LIMITS: &str = "a limit in clickhouse.user's settings profile refuses this request every time: raise it";
 const SERVER: &str = "the server cannot run this request: see its log";
-/// The policy for a code missing from [`CODES`].
-const UNCLASSIFIED: &str = "clickagg does not know this error code to be temporary, so it stops rather than retry \
-     the request forever; a restart resumes from the last commit without losing or double-counting a click";
-
 /// Every ClickHouse error code clickagg's requests (row and pin INSERTs, billing and
-/// registry SELECTs, the migrations) can meet, and what to do about it. One table, so
-/// that no error is retried forever by accident: a code that is not listed is fatal
-/// (`UNCLASSIFIED`). Transient means an outage of the server, not of clickagg's
-/// request; codes that depend on the request (a setting's limit, the data, the
-/// schema) are fatal.
+/// registry SELECTs, the migrations) can meet, and what to do about it. Transient means
+/// an outage of the server, not of clickagg's request; codes that depend on the request
+/// (a setting's limit, the data, the schema) are fatal.
+///
+/// A code that is not listed is retried like an outage, and counted
+/// (`clickagg_clickhouse_unknown_errors_total{code}`, alert
+/// ClickaggClickHouseUnknownError): only a code known to be permanent stops a member. A
+/// new server's code for an outage must not become a crash loop (on Kubernetes, every
+/// restart of every member meets it again); a permanent one that is retried holds the
+/// rows and commits nothing, which the alert and the member's log make visible.
 pub const CODES: &[(u32, &str, Class)] = &[
     (6, "CANNOT_PARSE_TEXT", Class::Fatal(SCHEMA)),
     (8, "THERE_IS_NO_COLUMN", Class::Fatal(SCHEMA)),
@@ -113,9 +114,9 @@ pub const CODES: &[(u32, &str, Class)] = &[
     (1000, "POCO_EXCEPTION", Class::Transient),
 ];
 
-/// The class of `code` by [`CODES`]; an unlisted code is fatal.
-pub fn class_of(code: u32) -> Class {
-    CODES.iter().find(|(c, _, _)| *c == code).map_or(Class::Fatal(UNCLASSIFIED), |&(_, _, class)| class)
+/// The class of `code` by [`CODES`]; `None` for a code the table does not list.
+pub fn class_of(code: u32) -> Option<Class> {
+    CODES.iter().find(|(c, _, _)| *c == code).map(|&(_, _, class)| class)
 }
 
 /// What a proxy or load balancer in front of ClickHouse says while the server is away;
@@ -152,8 +153,15 @@ pub fn classify(e: clickhouse::error::Error) -> SinkError {
             // the insert is idempotent, so repeating it is safe.
             Some(_) if msg.contains("while receiving packet from") => SinkError::Transient(msg),
             Some(code) => match class_of(code) {
-                Class::Transient => SinkError::Transient(msg),
-                Class::Fatal(fix) => fatal(msg, fix),
+                Some(Class::Transient) => SinkError::Transient(msg),
+                Some(Class::Fatal(fix)) => fatal(msg, fix),
+                None => {
+                    metrics::counter!(crate::telemetry::CLICKHOUSE_UNKNOWN_ERRORS, "code" => code.to_string())
+                        .increment(1);
+                    SinkError::Transient(format!(
+                        "{msg} (error code {code} is not in clickagg's table of codes: retried)"
+                    ))
+                }
             },
         },
         E::Network(_) | E::TimedOut => SinkError::Transient(e.to_string()),
@@ -189,7 +197,6 @@ mod tests {
             "Code: 252, e.displayText() = DB::Exception: Too many partitions for single INSERT block (more than 100). \
              The limit is controlled by 'max_partitions_per_insert_block' setting",
             "Code: 252. DB::Exception: Too many partitions for single INSERT block (more than 100). (TOO_MANY_PARTS)",
-            "Code: 1234567. DB::Exception: an error this version of clickagg has never heard of",
             "404 Not Found",
             "<html><body>Welcome to nginx!</body></html>",
         ] {
@@ -209,6 +216,9 @@ mod tests {
              (average 0 ms per block)\n, e.what() = DB::Exception",
             "Code: 32. DB::Exception: Attempt to read after eof: while receiving packet from node-3:9000. \
              (ATTEMPT_TO_READ_AFTER_EOF)",
+            // A code the table does not know: retried, never a crash loop.
+            "Code: 1234567. DB::Exception: an error this version of clickagg has never heard of",
+            "Code: 4242, e.displayText() = DB::Exception: new",
         ] {
             assert!(!bad(transient).is_fatal(), "{transient}");
         }
@@ -243,7 +253,8 @@ mod tests {
         says("Code: 60. DB::Exception: Table it.ad_clicks_minute doesn't exist", "clickagg migrate");
         says("Code: 164. DB::Exception: Cannot execute query in readonly mode", "grant clickhouse.user");
         says("Code: 252. DB::Exception: Too many partitions for single INSERT block (more than 10)", "max_partitions");
-        says("Code: 4242. DB::Exception: new", "restart resumes from the last commit");
+        let unknown = bad("Code: 4242. DB::Exception: new").to_string();
+        assert!(unknown.contains("4242 is not in clickagg's table of codes: retried"), "{unknown}");
         says("404 Not Found", "check clickhouse.url");
     }
 }

@@ -273,3 +273,35 @@ async fn redis_turned_read_only_pauses_consumption_turns_not_ready_and_recovers_
     accept.arg("NO").arg("ONE");
     redis_refusing_writes("redisro", refuse, accept, "redis read-only", "read_only").await;
 }
+
+/// ClickHouse answers a flush with an error code clickagg's table does not know (here
+/// 395, FUNCTION_THROW_IF_VALUE_IS_NON_ZERO, raised by a materialized view on the
+/// minute table): the member retries it like an outage, counts it by code, and counts
+/// exactly once the error passes. It used to stop, and on Kubernetes crash-loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unknown_clickhouse_error_code_during_flushes_is_retried_counted_and_exact() {
+    let env = TestEnv::new("unknowncode").await;
+    let (records, truth) = env.plan(Spec { count: 20_000, seed: 36, ..Spec::default() });
+    let inject = "CREATE MATERIALIZED VIEW injected_error ENGINE = Null AS \
+                  SELECT throwIf(clicks > 0, 'an error clickagg has never heard of') AS x FROM ad_clicks_minute";
+    env.sink().client().query(inject).execute().await.expect("create the view that fails every insert");
+    env.send(&records, 4, None).await;
+    let mut member = env.spawn_member("m");
+    wait_until("flushes fail with the unknown code", Duration::from_secs(90), || async {
+        let (_, body) = member.http_get("/metrics").await;
+        match crate::helpers::http::metric_value_once_seen(
+            &body,
+            "clickagg_clickhouse_unknown_errors_total",
+            &["code=\"395\""],
+        ) {
+            n if n >= 3.0 => Ok(()),
+            n => Err(format!("{n} errors with code 395")),
+        }
+    })
+    .await;
+    let before = env.committed_offsets().await;
+    assert!(before.values().all(|&o| o <= 0), "nothing committed while no flush succeeds: {before:?}");
+    env.sink().client().query("DROP VIEW injected_error").execute().await.expect("drop the view");
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0, "the member never stopped");
+}
