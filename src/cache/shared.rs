@@ -265,15 +265,13 @@ impl SharedCache {
 
     pub(super) async fn connection(&mut self) -> Result<&mut Conn, DedupError> {
         if self.conn.is_none() {
+            let config = AsyncConnectionConfig::new()
+                .set_connection_timeout(Some(self.timeout))
+                .set_response_timeout(Some(self.timeout));
             let conn = match &self.target {
-                RedisTarget::Single(client) => {
-                    let config = AsyncConnectionConfig::new()
-                        .set_connection_timeout(Some(self.timeout))
-                        .set_response_timeout(Some(self.timeout));
-                    let mut conn = client
-                        .get_multiplexed_async_connection_with_config(&config)
-                        .await
-                        .map_err(DedupError::classify)?;
+                RedisTarget::Single(_) | RedisTarget::Sentinel(_) => {
+                    let mut conn =
+                        self.target.connect_single(&config).await.expect("one Redis").map_err(DedupError::classify)?;
                     // Loading is idempotent; "already exists" means another member was first.
                     // A Redis that refuses writes (out of memory, a read-only replica) may
                     // still hold the library: then the connection is good for what it can do.

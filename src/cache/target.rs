@@ -4,22 +4,50 @@
 use redis::aio::MultiplexedConnection;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::Value;
+use redis::{AsyncConnectionConfig, ErrorKind, RedisError, Value};
 
 use crate::config::{ConfigError, RedisSettings};
 
-/// Where the cache lives: one Redis (or a primary with replicas behind one address), or
-/// a Redis Cluster reached through seed nodes.
+/// Where the cache lives: one Redis (or a primary with replicas behind one address), a
+/// master found through Redis Sentinel, or a Redis Cluster reached through seed nodes.
 #[derive(Clone)]
 #[allow(clippy::large_enum_variant)] // built once per member; boxing buys nothing
 pub enum RedisTarget {
     Single(redis::Client),
+    Sentinel(SentinelTarget),
     Cluster(ClusterClient),
 }
 
+/// A Redis master as the Sentinels name it. Asked again at every connection: a member
+/// reconnects after any error, so after a failover its next connection is to the
+/// promoted replica. The master is asked directly (`SENTINEL get-master-addr-by-name`),
+/// not through the redis crate's Sentinel client, so that the data nodes take the same
+/// TLS settings (a private CA, a client certificate) as a single Redis does.
+#[derive(Clone)]
+pub struct SentinelTarget {
+    sentinels: Vec<redis::Client>,
+    master: String,
+    /// The settings the data nodes are reached with (scheme, credentials, TLS files).
+    data: RedisSettings,
+}
+
 impl RedisTarget {
-    /// The Redis the dedup cache lives in: one server, or a cluster through its seeds.
+    /// The Redis the dedup cache lives in: one server, a master behind Sentinel, or a
+    /// cluster through its seeds.
     pub fn from_settings(r: &RedisSettings) -> Result<RedisTarget, ConfigError> {
+        if let Some(sentinel) = &r.sentinel {
+            let sentinels = sentinel
+                .urls
+                .list()
+                .into_iter()
+                .map(|url| RedisTarget::client_at(r, url, false))
+                .collect::<Result<Vec<_>, _>>()?;
+            return Ok(RedisTarget::Sentinel(SentinelTarget {
+                sentinels,
+                master: sentinel.master.clone(),
+                data: r.clone(),
+            }));
+        }
         if !r.is_cluster() {
             return RedisTarget::client(r).map(RedisTarget::Single);
         }
@@ -41,26 +69,100 @@ impl RedisTarget {
 
     /// The client of one Redis, with credentials from the URL or from `username`/`password`.
     pub fn client(r: &RedisSettings) -> Result<redis::Client, ConfigError> {
-        let invalid = |e: redis::RedisError| ConfigError::Invalid(format!("redis.url {}: {}", r.url, kind_str(&e)));
-        let mut info: redis::ConnectionInfo =
-            redis::IntoConnectionInfo::into_connection_info(r.url.expose()).map_err(invalid)?;
-        let mut redis_settings = info.redis_settings().clone();
-        if let Some(user) = &r.username {
-            redis_settings = redis_settings.set_username(user.clone());
-        }
-        if let Some(password) = &r.password {
-            redis_settings = redis_settings.set_password(password.expose());
-        }
-        info = info.set_redis_settings(redis_settings);
-        match &r.tls_ca_file {
-            None => redis::Client::open(info).map_err(invalid),
-            Some(path) => {
-                let root_cert = std::fs::read(path)
-                    .map_err(|e| ConfigError::Invalid(format!("redis.tls_ca_file {}: {e}", path.display())))?;
-                let certs = redis::TlsCertificates { client_tls: None, root_cert: Some(root_cert) };
-                redis::Client::build_with_tls(info, certs).map_err(invalid)
+        RedisTarget::client_at(r, r.url.expose(), true)
+    }
+
+    /// A client of the Redis at `url`, with `r`'s TLS files; with `r`'s credentials too
+    /// when `credentials` (a Sentinel takes its own, from its URL).
+    fn client_at(r: &RedisSettings, url: &str, credentials: bool) -> Result<redis::Client, ConfigError> {
+        let shown = crate::config::redact_url(url);
+        let invalid = |e: redis::RedisError| ConfigError::Invalid(format!("redis URL {shown}: {}", kind_str(&e)));
+        let mut info: redis::ConnectionInfo = redis::IntoConnectionInfo::into_connection_info(url).map_err(invalid)?;
+        if credentials {
+            let mut redis_settings = info.redis_settings().clone();
+            if let Some(user) = &r.username {
+                redis_settings = redis_settings.set_username(user.clone());
             }
+            if let Some(password) = &r.password {
+                redis_settings = redis_settings.set_password(password.expose());
+            }
+            info = info.set_redis_settings(redis_settings);
         }
+        let (ca, cert, key) = (r.tls_ca_file.as_deref(), r.tls_cert_file.as_deref(), r.tls_key_file.as_deref());
+        if ca.is_none() && cert.is_none() {
+            return redis::Client::open(info).map_err(invalid);
+        }
+        let files = crate::config::tls::load("redis", ca, cert, key).map_err(ConfigError::Invalid)?;
+        let certs = redis::TlsCertificates {
+            client_tls: files
+                .identity
+                .as_ref()
+                .map(|(cert, key)| redis::ClientTlsConfig { client_cert: cert.clone(), client_key: key.clone() }),
+            root_cert: files.ca.clone(),
+        };
+        redis::Client::build_with_tls(info, certs).map_err(invalid)
+    }
+
+    /// A connection to the one Redis, or to the master the Sentinels name now; `None`
+    /// for a cluster, whose client connects itself.
+    pub async fn connect_single(
+        &self,
+        config: &AsyncConnectionConfig,
+    ) -> Option<Result<MultiplexedConnection, RedisError>> {
+        match self {
+            RedisTarget::Single(client) => Some(client.get_multiplexed_async_connection_with_config(config).await),
+            RedisTarget::Sentinel(s) => Some(s.connect(config).await),
+            RedisTarget::Cluster(_) => None,
+        }
+    }
+}
+
+impl SentinelTarget {
+    /// Asks the Sentinels in turn for the master's address, connects to it and checks
+    /// that it is a master: a Sentinel can name a demoted one for a moment during a
+    /// failover, and a replica would refuse every claim (READONLY) anyway.
+    async fn connect(&self, config: &AsyncConnectionConfig) -> Result<MultiplexedConnection, RedisError> {
+        let mut last = RedisError::from((ErrorKind::MasterNameNotFoundBySentinel, "no Sentinel named the master"));
+        for sentinel in &self.sentinels {
+            let addr: Result<Option<(String, u16)>, RedisError> = async {
+                let mut conn = sentinel.get_multiplexed_async_connection_with_config(config).await?;
+                redis::cmd("SENTINEL").arg("get-master-addr-by-name").arg(&self.master).query_async(&mut conn).await
+            }
+            .await;
+            let (host, port) = match addr {
+                Ok(Some(addr)) => addr,
+                Ok(None) => {
+                    last = RedisError::from((
+                        ErrorKind::MasterNameNotFoundBySentinel,
+                        "a Sentinel does not know the master",
+                        self.master.clone(),
+                    ));
+                    continue;
+                }
+                Err(e) => {
+                    last = e;
+                    continue;
+                }
+            };
+            let scheme = if self.sentinels_use_tls() { "rediss" } else { "redis" };
+            let client = RedisTarget::client_at(&self.data, &format!("{scheme}://{host}:{port}/"), true)
+                .map_err(|e| RedisError::from((ErrorKind::InvalidClientConfig, "redis master", e.to_string())))?;
+            let mut conn = client.get_multiplexed_async_connection_with_config(config).await?;
+            let role: Vec<Value> = redis::cmd("ROLE").query_async(&mut conn).await?;
+            if matches!(role.first(), Some(Value::BulkString(r)) if r.as_slice() == b"master") {
+                return Ok(conn);
+            }
+            last = RedisError::from((
+                ErrorKind::Io,
+                "the master the Sentinels name is not a master (yet)",
+                format!("{host}:{port}"),
+            ));
+        }
+        Err(last)
+    }
+
+    fn sentinels_use_tls(&self) -> bool {
+        self.data.sentinel.as_ref().is_some_and(|s| s.urls.list().iter().all(|u| u.starts_with("rediss://")))
     }
 }
 

@@ -20,6 +20,11 @@ pub struct ClickHouseSettings {
     /// PEM file of the CA that signed the server certificate, for `https://` with a
     /// private CA (public CAs are trusted from the system store).
     pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate, for a server that verifies its clients (ClickHouse's
+    /// `verificationMode strict`, or a proxy in front of it); with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM PKCS#8 private key of `tls_cert_file` (`BEGIN PRIVATE KEY`).
+    pub tls_key_file: Option<PathBuf>,
     #[serde(with = "humantime_serde")]
     pub request_timeout: Duration,
     /// The ClickHouse cluster (`remote_servers`) the tables live on: `migrate` creates
@@ -44,6 +49,8 @@ impl Default for ClickHouseSettings {
             password: None,
             database: "clickagg".into(),
             tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             request_timeout: Duration::from_secs(30),
             cluster: None,
             insert_quorum: None,

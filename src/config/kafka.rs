@@ -42,6 +42,14 @@ pub struct KafkaSettings {
     pub ssl_certificate_location: Option<PathBuf>,
     pub ssl_key_location: Option<PathBuf>,
     pub ssl_key_password: Option<Secret>,
+    /// OAUTHBEARER with OpenID Connect (`sasl_mechanism = "OAUTHBEARER"`): the token
+    /// endpoint of the identity provider, which librdkafka asks for a token with the
+    /// client credentials below, and again before it expires.
+    pub oauth_token_endpoint_url: Option<String>,
+    pub oauth_client_id: Option<String>,
+    pub oauth_client_secret: Option<Secret>,
+    /// The scope asked for, if the provider wants one.
+    pub oauth_scope: Option<String>,
     /// Any other librdkafka property, passed through verbatim (values are treated as
     /// secrets when printed, since they may hold credentials).
     pub properties: BTreeMap<String, Secret>,
@@ -64,6 +72,10 @@ impl Default for KafkaSettings {
             ssl_certificate_location: None,
             ssl_key_location: None,
             ssl_key_password: None,
+            oauth_token_endpoint_url: None,
+            oauth_client_id: None,
+            oauth_client_secret: None,
+            oauth_scope: None,
             properties: BTreeMap::new(),
         }
     }

@@ -12,6 +12,7 @@ mod clickhouse;
 mod kafka;
 mod redis;
 pub mod secret_files;
+pub mod tls;
 mod validate;
 
 use std::net::SocketAddr;
@@ -27,7 +28,7 @@ use crate::click::{Fields, Limits, TsUnit};
 pub use crate::secrets::{redact_url, Secret, SecretUrl};
 pub use clickhouse::{ClickHouseEndpoint, ClickHouseSettings};
 pub use kafka::{KafkaSettings, SaslMechanism, SecurityProtocol, EXACTLY_ONCE_PROPERTIES};
-pub use redis::{RedisSettings, RedisWait};
+pub use redis::{RedisSettings, RedisWait, SentinelSettings};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]

@@ -41,6 +41,15 @@ pub struct RedisSettings {
     /// PEM file of the CA that signed the server certificate, for `rediss://` with a
     /// private CA (public CAs are trusted from the system store).
     pub tls_ca_file: Option<PathBuf>,
+    /// PEM client certificate, for a Redis that verifies its clients
+    /// (`tls-auth-clients yes`); with `tls_key_file`.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM PKCS#8 private key of `tls_cert_file` (`BEGIN PRIVATE KEY`).
+    pub tls_key_file: Option<PathBuf>,
+    /// Redis Sentinel: the master is the one the Sentinels name, asked again at every
+    /// connection, so a member follows a failover. `redis.url` is then left unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sentinel: Option<SentinelSettings>,
     /// Prefix of every dedup key; lets several deployments share one Redis.
     pub key_prefix: String,
     /// Deprecated name of `dedup.window`, still read so existing configurations keep
@@ -62,10 +71,32 @@ impl Default for RedisSettings {
             username: None,
             password: None,
             tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            sentinel: None,
             key_prefix: "clickagg:dedup:".into(),
             dedup_ttl: None,
             timeout: Duration::from_secs(5),
         }
+    }
+}
+
+/// A Redis master found through Redis Sentinel.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SentinelSettings {
+    /// The name the Sentinels monitor the master under (`sentinel monitor <name> …`).
+    pub master: String,
+    /// The Sentinels, `redis://host:26379` each (`rediss://` for TLS), comma-separated;
+    /// a Sentinel's own credentials go in its URL's user info. The data nodes are
+    /// reached the same way (TLS or not), as `redis.username` with `redis.password`,
+    /// trusting `redis.tls_ca_file` and presenting `redis.tls_cert_file` if set.
+    pub urls: SecretUrl,
+}
+
+impl Default for SentinelSettings {
+    fn default() -> Self {
+        SentinelSettings { master: String::new(), urls: SecretUrl::new("") }
     }
 }
 
@@ -80,12 +111,14 @@ pub struct RedisWait {
 impl RedisSettings {
     /// Whether the dedup cache is a Redis Cluster: `redis.cluster`, or several seed nodes.
     pub fn is_cluster(&self) -> bool {
-        self.cluster.unwrap_or(self.url.list().len() > 1)
+        self.sentinel.is_none() && self.cluster.unwrap_or(self.url.list().len() > 1)
     }
 
-    /// What the claims wait for: `redis.wait_replicas` (1 on a cluster, 0 otherwise).
+    /// What the claims wait for: `redis.wait_replicas` (1 on a cluster and behind
+    /// Sentinel, whose failovers promote a replica; 0 on a single Redis).
     pub fn wait(&self) -> Option<RedisWait> {
-        let replicas = self.wait_replicas.unwrap_or(u32::from(self.is_cluster()));
+        let replicated = self.is_cluster() || self.sentinel.is_some();
+        let replicas = self.wait_replicas.unwrap_or(u32::from(replicated));
         (replicas > 0).then_some(RedisWait { replicas, timeout: self.wait_timeout })
     }
 

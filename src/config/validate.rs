@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use super::kafka::EXACTLY_ONCE_PROPERTIES;
-use super::{ConfigError, Settings};
+use super::kafka::{SaslMechanism, EXACTLY_ONCE_PROPERTIES};
+use super::{tls, ConfigError, RedisSettings, Settings};
 use crate::aggregate::BatchOffsets;
 
 impl Settings {
@@ -118,14 +118,81 @@ impl Settings {
         if self.dead_letter.enabled && self.dead_letter_topic() == self.kafka.topic {
             problems.push("dead_letter.topic must differ from kafka.topic".to_string());
         }
-        if self.kafka.sasl_mechanism.is_some()
-            && (self.kafka.sasl_username.is_none() || self.kafka.sasl_password.is_none())
-        {
-            problems.push("kafka.sasl_mechanism needs kafka.sasl_username and kafka.sasl_password".to_string());
+        let k = &self.kafka;
+        let property = |name: &str| k.properties.contains_key(name);
+        match k.sasl_mechanism {
+            Some(SaslMechanism::OauthBearer) => {
+                // OIDC through the typed settings, or librdkafka's own properties
+                // (`sasl.oauthbearer.method`, or an unsecured `sasl.oauthbearer.config`).
+                let oidc = [k.oauth_client_id.is_some(), k.oauth_client_secret.is_some()];
+                if k.oauth_token_endpoint_url.is_some() && oidc.contains(&false) {
+                    problems.push(
+                        "kafka.oauth_token_endpoint_url needs kafka.oauth_client_id and kafka.oauth_client_secret"
+                            .to_string(),
+                    );
+                } else if k.oauth_token_endpoint_url.is_none()
+                    && !property("sasl.oauthbearer.method")
+                    && !property("sasl.oauthbearer.config")
+                {
+                    problems.push(
+                        "kafka.sasl_mechanism OAUTHBEARER needs kafka.oauth_token_endpoint_url, kafka.oauth_client_id \
+                         and kafka.oauth_client_secret (OpenID Connect client credentials)"
+                            .to_string(),
+                    );
+                }
+            }
+            Some(SaslMechanism::Gssapi) if !cfg!(feature = "gssapi") => problems.push(
+                "kafka.sasl_mechanism GSSAPI (Kerberos) is not built into this clickagg: build it with \
+                 `cargo build --release --features gssapi` (needs libsasl2-dev)"
+                    .to_string(),
+            ),
+            Some(SaslMechanism::Gssapi) => {}
+            Some(_) if k.sasl_username.is_none() || k.sasl_password.is_none() => {
+                problems.push("kafka.sasl_mechanism needs kafka.sasl_username and kafka.sasl_password".to_string());
+            }
+            _ => {}
+        }
+        if k.oauth_token_endpoint_url.is_some() && k.sasl_mechanism != Some(SaslMechanism::OauthBearer) {
+            problems.push("kafka.oauth_token_endpoint_url needs kafka.sasl_mechanism = \"OAUTHBEARER\"".to_string());
         }
         let seeds = self.redis.url.list();
-        if self.redis.tls_ca_file.is_some() && !seeds.iter().all(|u| u.starts_with("rediss://")) {
-            problems.push("redis.tls_ca_file is set but redis.url does not start with rediss://".to_string());
+        // Behind Sentinel, the Sentinels' URLs say whether TLS is used (the data nodes
+        // are reached the same way).
+        let (tls_setting, tls_urls) = match &self.redis.sentinel {
+            Some(sentinel) => ("redis.sentinel.urls", sentinel.urls.list()),
+            None => ("redis.url", seeds.clone()),
+        };
+        for (setting, set) in [
+            ("redis.tls_ca_file", self.redis.tls_ca_file.is_some()),
+            ("redis.tls_cert_file", self.redis.tls_cert_file.is_some()),
+        ] {
+            if set && !tls_urls.iter().all(|u| u.starts_with("rediss://")) {
+                problems.push(format!("{setting} is set but {tls_setting} does not start with rediss://"));
+            }
+        }
+        let r = &self.redis;
+        if let Err(problem) =
+            tls::load("redis", r.tls_ca_file.as_deref(), r.tls_cert_file.as_deref(), r.tls_key_file.as_deref())
+        {
+            problems.push(problem);
+        }
+        if let Some(sentinel) = &self.redis.sentinel {
+            if sentinel.master.is_empty() {
+                problems.push("redis.sentinel.master must name the master the Sentinels monitor".to_string());
+            }
+            let urls = sentinel.urls.list();
+            if urls.is_empty() || !urls.iter().all(|u| u.starts_with("redis://") || u.starts_with("rediss://")) {
+                problems.push(format!(
+                    "redis.sentinel.urls {} must list the Sentinels, each redis://host:port or rediss://host:port",
+                    sentinel.urls
+                ));
+            }
+            if self.redis.url.expose() != RedisSettings::default().url.expose() || self.redis.cluster.is_some() {
+                problems.push(
+                    "redis.sentinel finds the master through the Sentinels: leave redis.url and redis.cluster unset"
+                        .to_string(),
+                );
+            }
         }
         if seeds.is_empty()
             || !seeds.iter().all(|u| {
@@ -144,6 +211,10 @@ impl Settings {
                  and unset redis.tls_ca_file"
                     .to_string(),
             );
+        }
+        if self.redis.is_cluster() && self.redis.tls_cert_file.is_some() {
+            // Likewise a client certificate (rustls only, in the redis crate's cluster client).
+            problems.push("redis.tls_cert_file is not supported with a Redis Cluster".to_string());
         }
         if seeds.len() > 1 && self.redis.cluster == Some(false) {
             problems.push(format!(
@@ -184,18 +255,18 @@ impl Settings {
                 humantime::format_duration(ch.request_timeout)
             ));
         }
-        if let Some(path) = &self.clickhouse.tls_ca_file {
-            if !self.clickhouse.url.expose().starts_with("https://") {
-                problems
-                    .push("clickhouse.tls_ca_file is set but clickhouse.url does not start with https://".to_string());
+        for (setting, set) in [
+            ("clickhouse.tls_ca_file", ch.tls_ca_file.is_some()),
+            ("clickhouse.tls_cert_file", ch.tls_cert_file.is_some()),
+        ] {
+            if set && !ch.url.expose().starts_with("https://") {
+                problems.push(format!("{setting} is set but clickhouse.url does not start with https://"));
             }
-            match std::fs::read(path).map(|pem| native_tls::Certificate::from_pem(&pem)) {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    problems.push(format!("clickhouse.tls_ca_file {} is not a PEM certificate: {e}", path.display()))
-                }
-                Err(e) => problems.push(format!("clickhouse.tls_ca_file {}: {e}", path.display())),
-            }
+        }
+        if let Err(problem) =
+            tls::load("clickhouse", ch.tls_ca_file.as_deref(), ch.tls_cert_file.as_deref(), ch.tls_key_file.as_deref())
+        {
+            problems.push(problem);
         }
         if let Err(problem) = self.clickhouse.endpoint() {
             problems.push(problem);
@@ -322,6 +393,71 @@ mod tests {
             &[("CLICKAGG__SOURCE__SCHEMA_REGISTRY__PASSWORD", "p")],
             "source.schema_registry.password needs source.schema_registry.username",
         );
+    }
+
+    #[test]
+    fn managed_platform_settings_load_and_contradictions_are_refused() {
+        let refused = |vars: &[(&str, &str)], says: &str| {
+            let e = Settings::load_with_vars(None, vec![], vars.iter().copied()).unwrap_err().to_string();
+            assert!(e.contains(says), "{says} in {e}");
+        };
+        // Redis Sentinel: the master's name and the Sentinels, and no redis.url beside them.
+        let sentinel = [
+            ("CLICKAGG__REDIS__SENTINEL__MASTER", "clickagg"),
+            ("CLICKAGG__REDIS__SENTINEL__URLS", "redis://s1:26379/,redis://s2:26379/"),
+        ];
+        let s = Settings::load_with_vars(None, vec![], sentinel).unwrap();
+        assert_eq!(s.redis.sentinel.as_ref().unwrap().urls.list().len(), 2);
+        assert!(!s.redis.is_cluster());
+        assert_eq!(s.redis.wait().map(|w| w.replicas), Some(1), "a failover promotes a replica: claims wait for one");
+        refused(
+            &[sentinel[0], sentinel[1], ("CLICKAGG__REDIS__URL", "redis://elsewhere:6379/")],
+            "leave redis.url and redis.cluster unset",
+        );
+        refused(&[("CLICKAGG__REDIS__SENTINEL__URLS", "redis://s1:26379/")], "redis.sentinel.master must name");
+        refused(&[sentinel[0], ("CLICKAGG__REDIS__SENTINEL__URLS", "http://s1:26379/")], "redis.sentinel.urls");
+        refused(
+            &[sentinel[0], sentinel[1], ("CLICKAGG__REDIS__TLS_CA_FILE", "/nonexistent/ca.pem")],
+            "redis.tls_ca_file is set but redis.sentinel.urls does not start with rediss://",
+        );
+        // Client certificates: both files, readable, over TLS.
+        refused(
+            &[("CLICKAGG__REDIS__URL", "rediss://r:6380/"), ("CLICKAGG__REDIS__TLS_CERT_FILE", "/nonexistent/c.pem")],
+            "go together",
+        );
+        refused(
+            &[("CLICKAGG__CLICKHOUSE__TLS_CERT_FILE", "/x/c.pem"), ("CLICKAGG__CLICKHOUSE__TLS_KEY_FILE", "/x/k.pem")],
+            "clickhouse.tls_cert_file is set but clickhouse.url does not start with https://",
+        );
+        refused(
+            &[
+                ("CLICKAGG__CLICKHOUSE__URL", "https://ch:8443"),
+                ("CLICKAGG__CLICKHOUSE__TLS_CERT_FILE", "/nonexistent/c.pem"),
+                ("CLICKAGG__CLICKHOUSE__TLS_KEY_FILE", "/nonexistent/k.pem"),
+            ],
+            "clickhouse.tls_cert_file /nonexistent/c.pem",
+        );
+        // OAUTHBEARER with OpenID Connect: the endpoint with the client's credentials.
+        let oauth = [
+            ("CLICKAGG__KAFKA__SECURITY_PROTOCOL", "sasl_ssl"),
+            ("CLICKAGG__KAFKA__SASL_MECHANISM", "OAUTHBEARER"),
+            ("CLICKAGG__KAFKA__OAUTH_TOKEN_ENDPOINT_URL", "https://idp/token"),
+            ("CLICKAGG__KAFKA__OAUTH_CLIENT_ID", "clickagg"),
+            ("CLICKAGG__KAFKA__OAUTH_CLIENT_SECRET", "hunter2"),
+        ];
+        let s = Settings::load_with_vars(None, vec![], oauth).unwrap();
+        assert!(!s.to_redacted_toml().contains("hunter2"));
+        let c = crate::source::client_config(&s.kafka);
+        assert_eq!(c.get("sasl.oauthbearer.method"), Some("oidc"));
+        assert_eq!(c.get("sasl.oauthbearer.token.endpoint.url"), Some("https://idp/token"));
+        assert_eq!(c.get("sasl.oauthbearer.client.secret"), Some("hunter2"));
+        refused(&oauth[..4], "needs kafka.oauth_client_id and kafka.oauth_client_secret");
+        refused(&oauth[..2], "OAUTHBEARER needs kafka.oauth_token_endpoint_url");
+        refused(&oauth[2..], "needs kafka.sasl_mechanism = \"OAUTHBEARER\"");
+        // GSSAPI is a build feature.
+        if !cfg!(feature = "gssapi") {
+            refused(&[("CLICKAGG__KAFKA__SASL_MECHANISM", "GSSAPI")], "--features gssapi");
+        }
     }
 
     #[test]

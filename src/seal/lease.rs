@@ -111,11 +111,11 @@ impl Lease {
     async fn connection(&mut self) -> Result<&mut Conn, RedisError> {
         if self.conn.is_none() {
             let conn = match &self.target {
-                RedisTarget::Single(client) => {
+                RedisTarget::Single(_) | RedisTarget::Sentinel(_) => {
                     let config = AsyncConnectionConfig::new()
                         .set_connection_timeout(Some(self.timeout))
                         .set_response_timeout(Some(self.timeout));
-                    Conn::Single(client.get_multiplexed_async_connection_with_config(&config).await?)
+                    Conn::Single(self.target.connect_single(&config).await.expect("one Redis")?)
                 }
                 RedisTarget::Cluster(client) => {
                     let config =

@@ -122,9 +122,10 @@ impl Sink {
             b.pool_idle_timeout(Duration::from_secs(2));
             b
         };
-        let base = match &s.tls_ca_file {
-            Some(ca) => Client::with_http_client(builder().build(https_connector_trusting(ca))),
-            None if endpoint.url.starts_with("https://") => Client::default(),
+        let tls_files = s.tls_ca_file.is_some() || s.tls_cert_file.is_some();
+        let base = match https_connector(s) {
+            Some(connector) => Client::with_http_client(builder().build(connector)),
+            None if endpoint.url.starts_with("https://") && !tls_files => Client::default(),
             // Plain HTTP needs no TLS connector, whose set-up (loading the system's CA
             // bundle) costs a `clickagg query` about 60 ms of its start-up.
             None => {
@@ -213,21 +214,38 @@ impl Sink {
 
 /// An HTTP(S) connector that also trusts the CA in `ca_file` (PEM). The file was checked
 /// when the settings were loaded; a certificate that does not parse is fatal here.
-fn https_connector_trusting(
-    ca_file: &std::path::Path,
-) -> hyper_tls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector> {
+/// An HTTPS connector with the private CA and the client certificate of the settings,
+/// or `None` when there are none. The files are the copy read when the settings were
+/// validated (`config::tls`): one rotated or removed since changes nothing. Should they
+/// be unreadable here (settings never validated), the connector trusts only the system's
+/// CAs and presents no certificate, and the server's refusal says what is wrong.
+fn https_connector(
+    s: &ClickHouseSettings,
+) -> Option<hyper_tls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>> {
     use hyper_util::client::legacy::connect::HttpConnector;
-    let pem = std::fs::read(ca_file).unwrap_or_else(|e| panic!("clickhouse.tls_ca_file {}: {e}", ca_file.display()));
-    let ca = native_tls::Certificate::from_pem(&pem)
-        .unwrap_or_else(|e| panic!("clickhouse.tls_ca_file {}: not a PEM certificate: {e}", ca_file.display()));
-    let tls = native_tls::TlsConnector::builder()
-        .add_root_certificate(ca)
-        .build()
-        .expect("a TLS connector with one extra root certificate");
+    let (ca, cert, key) = (s.tls_ca_file.as_deref(), s.tls_cert_file.as_deref(), s.tls_key_file.as_deref());
+    if ca.is_none() && cert.is_none() {
+        return None;
+    }
+    let mut tls = native_tls::TlsConnector::builder();
+    match crate::config::tls::load("clickhouse", ca, cert, key) {
+        Ok(files) => {
+            if let Some(ca) = files.ca.as_deref().and_then(|pem| native_tls::Certificate::from_pem(pem).ok()) {
+                tls.add_root_certificate(ca);
+            }
+            if let Some(id) =
+                files.identity.as_ref().and_then(|(cert, key)| native_tls::Identity::from_pkcs8(cert, key).ok())
+            {
+                tls.identity(id);
+            }
+        }
+        Err(problem) => tracing::error!(%problem, "ClickHouse TLS files unreadable; trusting the system's CAs only"),
+    }
+    let tls = tls.build().ok()?;
     let mut http = HttpConnector::new();
     http.enforce_http(false);
     http.set_keepalive(Some(Duration::from_secs(60)));
-    hyper_tls::HttpsConnector::from((http, tls.into()))
+    Some(hyper_tls::HttpsConnector::from((http, tls.into())))
 }
 
 /// Quotes an identifier with backticks (database names come from configuration).

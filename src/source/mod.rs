@@ -107,6 +107,20 @@ pub fn client_config(k: &KafkaSettings) -> ClientConfig {
     if let Some(v) = &k.ssl_key_password {
         c.set("ssl.key.password", v.expose());
     }
+    if let Some(url) = &k.oauth_token_endpoint_url {
+        // librdkafka's own OIDC client (client credentials): it fetches the token and
+        // fetches a new one at 80 % of its lifetime, re-authenticating its connections.
+        c.set("sasl.oauthbearer.method", "oidc").set("sasl.oauthbearer.token.endpoint.url", url);
+        if let Some(v) = &k.oauth_client_id {
+            c.set("sasl.oauthbearer.client.id", v);
+        }
+        if let Some(v) = &k.oauth_client_secret {
+            c.set("sasl.oauthbearer.client.secret", v.expose());
+        }
+        if let Some(v) = &k.oauth_scope {
+            c.set("sasl.oauthbearer.scope", v);
+        }
+    }
     with_properties(c, k)
 }
 

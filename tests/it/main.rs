@@ -15,6 +15,7 @@ mod formats;
 mod helpers;
 mod operability;
 mod periods;
+mod platforms;
 mod query;
 mod robustness;
 mod sealing;

@@ -72,6 +72,9 @@ pub struct TestEnv {
     pub database: String,
     /// The ClickHouse cluster the tables live on (`clickhouse.cluster`), if any.
     pub clickhouse_cluster: Option<String>,
+    /// Members find their Redis through these Sentinels (`redis.sentinel.urls`, master
+    /// `clickagg`) instead of `redis_url`, which the test itself keeps using.
+    pub redis_sentinels: Option<String>,
     pub batch_offsets: u64,
     pub log_dir: PathBuf,
     /// Extra `CLICKAGG__…` variables for every member.
@@ -129,6 +132,7 @@ impl TestEnv {
             redis_prefix: format!("it:{name}:{tag}:"),
             database: format!("it_{name}_{tag}"),
             clickhouse_cluster,
+            redis_sentinels: None,
             batch_offsets: 1_000,
             log_dir,
             extra_env: Vec::new(),
@@ -183,6 +187,11 @@ impl TestEnv {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        if let Some(sentinels) = &self.redis_sentinels {
+            v.retain(|(k, _)| k != "CLICKAGG__REDIS__URL");
+            v.push(("CLICKAGG__REDIS__SENTINEL__URLS".into(), sentinels.clone()));
+            v.push(("CLICKAGG__REDIS__SENTINEL__MASTER".into(), "clickagg".into()));
+        }
         if let Some(ca) = &self.clickhouse_ca {
             v.push(("CLICKAGG__CLICKHOUSE__TLS_CA_FILE".into(), ca.display().to_string()));
         }
@@ -469,7 +478,8 @@ impl TestEnv {
             })
         };
         let report =
-            clickagg::retry::until_done("a sealing round", s.pipeline.max_backoff, &give_up, || sealer.round(None)).await;
+            clickagg::retry::until_done("a sealing round", s.pipeline.max_backoff, &give_up, || sealer.round(None))
+                .await;
         deadline.abort();
         match report {
             Ok(report) => report,

@@ -62,7 +62,8 @@ impl PrivateStack {
             ("KAFKA_HEAP".to_string(), "512m".to_string()),
         ];
         let ports = ["KAFKA_PORT", "KAFKA_CONTROLLER_PORT", "KAFKA_SASL_PORT", "REDIS_PORT"];
-        let clickhouse = ["CLICKHOUSE_HTTP_PORT", "CLICKHOUSE_TCP_PORT", "CLICKHOUSE18_HTTP_PORT", "CLICKHOUSE18_TCP_PORT"];
+        let clickhouse =
+            ["CLICKHOUSE_HTTP_PORT", "CLICKHOUSE_TCP_PORT", "CLICKHOUSE18_HTTP_PORT", "CLICKHOUSE18_TCP_PORT"];
         let ports = ports.iter().chain(&clickhouse).chain(extra_ports);
         env.extend(ports.map(|k| (k.to_string(), free_port().to_string())));
         env.extend(settings.iter().map(|(k, v)| (k.to_string(), v.to_string())));
@@ -135,6 +136,11 @@ impl PrivateStack {
     /// Starts `service` and returns once it answers (the script waits for readiness).
     pub async fn up(&self, service: &str) {
         self.must("up", service).await;
+    }
+
+    /// SIGKILLs `service` (or one node of it, `SERVICE:N`), as a crash does.
+    pub async fn kill(&self, service: &str) {
+        self.must("kill", service).await;
     }
 
     /// Stops `service` and returns once its process is gone.
