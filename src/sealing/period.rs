@@ -48,18 +48,25 @@ impl Period {
             PeriodKind::Month => date.with_day(1)?,
         };
         let start = u32::try_from(first.and_hms_opt(0, 0, 0)?.and_utc().timestamp()).ok()?;
-        Some(Period { kind, start })
+        let period = Period { kind, start };
+        // Its end must be a DateTime too (the last day a u32 holds begins 2106-02-07).
+        u32::try_from(period.end_secs()).ok()?;
+        Some(period)
     }
 
-    /// The first second after the period.
+    /// The first second after the period. Fits a u32: `containing` makes sure.
     pub fn end(self) -> u32 {
+        self.end_secs() as u32
+    }
+
+    fn end_secs(self) -> i64 {
         match self.kind {
-            PeriodKind::Day => self.start + 86_400,
+            PeriodKind::Day => i64::from(self.start) + 86_400,
             PeriodKind::Month => {
                 let d = self.date();
                 let (y, m) = if d.month() == 12 { (d.year() + 1, 1) } else { (d.year(), d.month() + 1) };
                 let next = NaiveDate::from_ymd_opt(y, m, 1).expect("the first of a month exists");
-                next.and_hms_opt(0, 0, 0).expect("midnight exists").and_utc().timestamp() as u32
+                next.and_hms_opt(0, 0, 0).expect("midnight exists").and_utc().timestamp()
             }
         }
     }
@@ -155,6 +162,18 @@ pub fn adjustments(
 
 #[cfg(test)]
 mod tests {
+    // Regression (issue 35): the last day a u32 second holds begins in 2106-02-07 but
+    // ends after u32::MAX, and `close --period day 2106-02-07` panicked computing its end.
+    #[test]
+    fn a_period_that_ends_past_what_a_datetime_holds_is_refused_not_a_panic() {
+        assert!(parse_period(PeriodKind::Day, "2106-02-06").is_ok());
+        let e = parse_period(PeriodKind::Day, "2106-02-07").unwrap_err();
+        assert!(e.contains("outside what ClickHouse DateTime holds"), "{e}");
+        assert!(parse_period(PeriodKind::Month, "2106-02").is_err());
+        assert!(parse_period(PeriodKind::Month, "2106-01").is_ok());
+        assert!(parse_period(PeriodKind::Day, "1969-12-31").is_err());
+    }
+
     use super::*;
 
     fn day(s: &str) -> Period {

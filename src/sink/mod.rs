@@ -136,7 +136,15 @@ impl Sink {
             .with_url(endpoint.url)
             .with_user(endpoint.user)
             .with_compression(Compression::None)
-            .with_validation(false);
+            .with_validation(false)
+            // Every read sees every write acknowledged before it: pins, clocks, settings,
+            // markers and seals that other members wrote decide what this one counts, and
+            // on a replicated server (a cluster read through `Distributed`, ClickHouse
+            // Cloud behind its load balancer) the replica that answers may lag. A replica
+            // that lacks a part written with a quorum refuses the read (code 289, retried)
+            // instead of answering without it; on a table that is not replicated the
+            // setting changes nothing.
+            .with_option("select_sequential_consistency", "1");
         if let Some(password) = &endpoint.password {
             server = server.with_password(password.expose());
         }
@@ -261,6 +269,23 @@ pub fn quote_literal(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Regression (issue 35): a client built after the CA file was rotated away panicked
+    // (`clickhouse.tls_ca_file …: No such file`): members build clients after start (the
+    // sealer, commands). Now every client takes the copy read when the settings loaded.
+    #[test]
+    fn a_ca_file_removed_after_the_settings_loaded_does_not_panic_a_client_built_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, include_str!("../../tests/fixtures/tls/ca.pem")).unwrap();
+        let mut s = crate::config::Settings::default();
+        s.clickhouse.url = crate::config::SecretUrl::new("https://127.0.0.1:8443");
+        s.clickhouse.tls_ca_file = Some(ca.clone());
+        s.validate().expect("valid settings");
+        std::fs::remove_file(&ca).unwrap();
+        let sink = Sink::new(&s.clickhouse);
+        assert_eq!(sink.database(), "clickagg");
+    }
 
     #[test]
     fn the_sealed_hours_migration_creates_every_sealed_table() {
