@@ -31,6 +31,7 @@ import yaml
 SECRET_FILE_VARS = {
     "kafka-sasl-password": "CLICKAGG__KAFKA__SASL_PASSWORD_FILE",
     "kafka-ssl-key-password": "CLICKAGG__KAFKA__SSL_KEY_PASSWORD_FILE",
+    "kafka-oauth-client-secret": "CLICKAGG__KAFKA__OAUTH_CLIENT_SECRET_FILE",
     "redis-password": "CLICKAGG__REDIS__PASSWORD_FILE",
     "redis-url": "CLICKAGG__REDIS__URL_FILE",
     "clickhouse-password": "CLICKAGG__CLICKHOUSE__PASSWORD_FILE",
@@ -41,6 +42,7 @@ SECRET_FILE_VARS = {
 SECRET_SETTINGS = [
     ("kafka", "sasl_password"),
     ("kafka", "ssl_key_password"),
+    ("kafka", "oauth_client_secret"),
     ("redis", "password"),
     ("clickhouse", "password"),
     ("dedup", "fingerprint_key"),

@@ -19,6 +19,7 @@ use super::ConfigError;
 pub const SECRET_KEYS: &[&str] = &[
     "kafka.sasl_password",
     "kafka.ssl_key_password",
+    "kafka.oauth_client_secret",
     "redis.password",
     "redis.url",
     "clickhouse.password",
@@ -104,6 +105,7 @@ mod tests {
         match key {
             "kafka.sasl_password" => secret(&s.kafka.sasl_password),
             "kafka.ssl_key_password" => secret(&s.kafka.ssl_key_password),
+            "kafka.oauth_client_secret" => secret(&s.kafka.oauth_client_secret),
             "redis.password" => secret(&s.redis.password),
             "redis.url" => Some(s.redis.url.expose().to_string()),
             "clickhouse.password" => secret(&s.clickhouse.password),

@@ -524,6 +524,7 @@ fn chart_values(file: Option<&str>) -> Value {
 const CHART_SECRET_VARS: &[(&str, &str)] = &[
     ("kafka-sasl-password", "CLICKAGG__KAFKA__SASL_PASSWORD"),
     ("kafka-ssl-key-password", "CLICKAGG__KAFKA__SSL_KEY_PASSWORD"),
+    ("kafka-oauth-client-secret", "CLICKAGG__KAFKA__OAUTH_CLIENT_SECRET"),
     ("redis-password", "CLICKAGG__REDIS__PASSWORD"),
     ("redis-url", "CLICKAGG__REDIS__URL"),
     ("clickhouse-password", "CLICKAGG__CLICKHOUSE__PASSWORD"),

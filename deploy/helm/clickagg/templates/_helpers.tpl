@@ -55,6 +55,7 @@ README.md ("Deploying on Kubernetes") in step.
 {{- define "clickagg.secretFileVars" -}}
 kafka-sasl-password: CLICKAGG__KAFKA__SASL_PASSWORD_FILE
 kafka-ssl-key-password: CLICKAGG__KAFKA__SSL_KEY_PASSWORD_FILE
+kafka-oauth-client-secret: CLICKAGG__KAFKA__OAUTH_CLIENT_SECRET_FILE
 redis-password: CLICKAGG__REDIS__PASSWORD_FILE
 redis-url: CLICKAGG__REDIS__URL_FILE
 clickhouse-password: CLICKAGG__CLICKHOUSE__PASSWORD_FILE
