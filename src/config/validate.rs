@@ -245,6 +245,15 @@ impl Settings {
             if c.is_empty() || !c.chars().all(|x| x.is_ascii_alphanumeric() || x == '_') {
                 problems.push(format!("clickhouse.cluster {c:?} must be a cluster name of letters, digits and _"));
             }
+            if ch.insert_quorum == Some(0) {
+                // Without a quorum the replicas keep no record of which parts were
+                // acknowledged, and a read from one that lags cannot tell it lacks them.
+                problems.push(
+                    "clickhouse.insert_quorum 0 on a cluster lets a member read decisions from a replica that has not \
+                     fetched them yet: set it to 1 or more (2, the default, also survives the loss of a replica)"
+                        .into(),
+                );
+            }
         } else if ch.insert_quorum.is_some_and(|q| q > 0) {
             problems.push("clickhouse.insert_quorum needs clickhouse.cluster (a single server has no replicas)".into());
         }
@@ -351,6 +360,10 @@ mod tests {
         );
         refused(&[("CLICKAGG__CLICKHOUSE__INSERT_QUORUM", "2")], "clickhouse.insert_quorum needs clickhouse.cluster");
         refused(&[("CLICKAGG__CLICKHOUSE__CLUSTER", "a-b")], "letters, digits and _");
+        refused(
+            &[("CLICKAGG__CLICKHOUSE__CLUSTER", "c"), ("CLICKAGG__CLICKHOUSE__INSERT_QUORUM", "0")],
+            "set it to 1 or more",
+        );
         refused(
             &[("CLICKAGG__CLICKHOUSE__CLUSTER", "c"), ("CLICKAGG__CLICKHOUSE__INSERT_QUORUM_TIMEOUT", "1m")],
             "shorter than clickhouse.request_timeout",

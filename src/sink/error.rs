@@ -97,6 +97,9 @@ pub const CODES: &[(u32, &str, Class)] = &[
     (279, "ALL_CONNECTION_TRIES_FAILED", Class::Transient),
     (285, "TOO_FEW_LIVE_REPLICAS", Class::Transient),
     (286, "UNSATISFIED_QUORUM_FOR_PREVIOUS_WRITE", Class::Transient),
+    // A read (select_sequential_consistency) from a replica that has not fetched a part
+    // written with a quorum yet: it catches up, or the next read goes to another one.
+    (289, "REPLICA_IS_NOT_IN_QUORUM", Class::Transient),
     (290, "LIMIT_EXCEEDED", Class::Fatal(LIMITS)),
     (291, "DATABASE_ACCESS_DENIED", Class::Fatal(GRANTS)),
     (307, "TOO_MANY_BYTES", Class::Fatal(LIMITS)),

@@ -189,6 +189,51 @@ async fn a_clickhouse_replica_killed_mid_run_holds_the_commits_until_it_is_back_
     assert_eq!(totals[0] + totals[2], truth.clicks, "{totals:?}");
 }
 
+/// Runs `sql` on one ClickHouse node over HTTP.
+async fn on_node(url: &str, sql: &str) {
+    let mut s = clickagg::config::ClickHouseSettings::default();
+    s.url = clickagg::config::SecretUrl::new(url.to_string());
+    Sink::new(&s).client().query(sql).execute().await.unwrap_or_else(|e| panic!("{sql} on {url}: {e}"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_reading_through_a_replica_that_stopped_fetching_waits_for_it_and_counts_stay_exact() {
+    let _only = exclusive().await;
+    let cluster = ClusterStack::require();
+    // A quorum of one: a flush is acknowledged once node 1 holds shard 1's rows, so
+    // node 2, its other replica, can lag behind acknowledged writes.
+    let mut env = cluster_env("laggingread").await;
+    env.extra_env.push(("CLICKAGG__CLICKHOUSE__INSERT_QUORUM".into(), "1".into()));
+    let spec = Spec { count: 60_000, seed: 106, duplicate_ratio: 0.2, cross_partition_ratio: 0.3, ..Spec::default() };
+    let (records, truth) = env.plan(spec);
+    let producer = env.spawn_producer(&records, PARTITIONS, 3_000);
+    let mut a = env.spawn_member("a");
+    assigned(&[&a]).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+
+    // Node 2 stops fetching: member a's flushes go on through node 1 without it.
+    let node2 = cluster.clickhouse_node_url(2);
+    on_node(&node2, "SYSTEM STOP FETCHES").await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    // a dies; b takes over reading and writing through node 2, whose Distributed table
+    // reads shard 1 from node 2's own replica (prefer_localhost_replica): it lacks what a
+    // flushed, pins and clocks included.
+    a.kill9().await;
+    env.extra_env.push(("CLICKAGG__CLICKHOUSE__URL".into(), node2.clone()));
+    let mut b = env.spawn_member("b");
+    // The lagging replica refuses b's reads rather than answer without the parts it
+    // lacks (select_sequential_consistency; code 289, retried).
+    b.wait_for_line("Code: 289", 0, Duration::from_secs(90)).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    on_node(&node2, "SYSTEM START FETCHES").await;
+
+    producer.finished().await;
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+    let totals = per_node_totals(&env).await;
+    assert_eq!(totals[0] + totals[2], truth.clicks, "{totals:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_zookeeper_restart_mid_run_makes_flushes_wait_and_counts_stay_exact() {
     let _only = exclusive().await;

@@ -75,6 +75,11 @@ impl ClusterStack {
         self.clickhouse_urls[0].clone()
     }
 
+    /// ClickHouse node `n` (1 to 4; nodes 1 and 2 hold shard 1, 3 and 4 shard 2).
+    pub fn clickhouse_node_url(&self, n: usize) -> String {
+        self.clickhouse_urls[n - 1].clone()
+    }
+
     pub fn clickhouse_cluster(&self) -> String {
         self.clickhouse_cluster.clone()
     }
