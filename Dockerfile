@@ -5,12 +5,12 @@
 # --- build ----------------------------------------------------------------------
 FROM rust:1-bookworm AS build
 
-# rdkafka-sys builds the bundled librdkafka with its ./configure and make (C compiler,
-# make); the "ssl" feature and native-tls link OpenSSL, found through pkg-config;
-# librdkafka's zlib support links zlib. Most of these are already in the base image:
+# rdkafka-sys builds the bundled librdkafka with CMake (C compiler, make, cmake), with
+# zstd and a static libcurl built from source too; the "ssl" feature and native-tls
+# link OpenSSL, found through pkg-config; librdkafka's zlib support links zlib. Most of these are already in the base image:
 # naming them keeps the build working if the base image slims down.
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends build-essential pkg-config libssl-dev zlib1g-dev \
+    && apt-get install -y --no-install-recommends build-essential cmake pkg-config libssl-dev zlib1g-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
