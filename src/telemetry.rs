@@ -77,7 +77,7 @@ pub const SCHEMAS_FETCHED: &str = "clickagg_schemas_fetched_total";
 pub const KAFKA_OPS: [&str; 4] = ["client", "consume", "commit", "dead_letter"];
 pub const BUCKETS_HELD: &str = "clickagg_unflushed_buckets";
 pub const PAUSED: &str = "clickagg_consumption_paused";
-/// ClickHouse errors whose code `sink::CODES` does not list, per `code`: retried.
+/// ClickHouse errors whose code `sink::CODES` does not list: retried (the code is logged).
 pub const CLICKHOUSE_UNKNOWN_ERRORS: &str = "clickagg_clickhouse_unknown_errors_total";
 /// Record batches the Kafka client could not decode (a codec it lacks, a CRC mismatch,
 /// corrupt compressed data); the first one stops consumption (`CONSUMPTION_STOPPED`).
@@ -148,7 +148,7 @@ const DESCRIPTIONS: &[(&str, Kind, &str)] = &[
     (SCHEMAS_FETCHED, Kind::Counter, "Schema IDs looked up in the schema registry or the schema files, each once per process."),
     (BUCKETS_HELD, Kind::Gauge, "Changed count buckets held in memory until a flush makes them durable."),
     (PAUSED, Kind::Gauge, "1 while consumption is paused (Redis refusing claims, or too many unflushed buckets)."),
-    (CLICKHOUSE_UNKNOWN_ERRORS, Kind::Counter, "ClickHouse errors whose code clickagg's table does not list, by code; retried like an outage."),
+    (CLICKHOUSE_UNKNOWN_ERRORS, Kind::Counter, "ClickHouse errors whose code clickagg's table does not list (the log names it); retried like an outage."),
     (UNDECODABLE_BATCHES, Kind::Counter, "Record batches the Kafka client could not decode (a codec it lacks, a CRC mismatch, corrupt data)."),
     (CONSUMPTION_STOPPED, Kind::Gauge, "1 once consumption stopped until a restart, because a record batch could not be decoded."),
     (RECORDS_AWAITING_CLAIMS, Kind::Gauge, "Records read whose Redis claims have not been answered yet."),
@@ -285,6 +285,7 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
     }
     metrics::gauge!(PAUSED).set(0.0);
     metrics::counter!(UNDECODABLE_BATCHES).absolute(0);
+    metrics::counter!(CLICKHOUSE_UNKNOWN_ERRORS).absolute(0);
     metrics::gauge!(CONSUMPTION_STOPPED).set(0.0);
     // A standby (more members than partitions) is never assigned any: 0, not "no data".
     metrics::gauge!(ASSIGNED_PARTITIONS).set(0.0);

@@ -48,7 +48,7 @@ const SERVER: &str = "the server cannot run this request: see its log";
 /// (a setting's limit, the data, the schema) are fatal.
 ///
 /// A code that is not listed is retried like an outage, and counted
-/// (`clickagg_clickhouse_unknown_errors_total{code}`, alert
+/// (`clickagg_clickhouse_unknown_errors_total`, the code in the log; alert
 /// ClickaggClickHouseUnknownError): only a code known to be permanent stops a member. A
 /// new server's code for an outage must not become a crash loop (on Kubernetes, every
 /// restart of every member meets it again); a permanent one that is retried holds the
@@ -159,8 +159,9 @@ pub fn classify(e: clickhouse::error::Error) -> SinkError {
                 Some(Class::Transient) => SinkError::Transient(msg),
                 Some(Class::Fatal(fix)) => fatal(msg, fix),
                 None => {
-                    metrics::counter!(crate::telemetry::CLICKHOUSE_UNKNOWN_ERRORS, "code" => code.to_string())
-                        .increment(1);
+                    // Unlabelled, so that it is exported (at 0) before the first one: the
+                    // code is in the message the member logs.
+                    metrics::counter!(crate::telemetry::CLICKHOUSE_UNKNOWN_ERRORS).increment(1);
                     SinkError::Transient(format!(
                         "{msg} (error code {code} is not in clickagg's table of codes: retried)"
                     ))

@@ -288,17 +288,15 @@ async fn an_unknown_clickhouse_error_code_during_flushes_is_retried_counted_and_
     env.send(&records, 4, None).await;
     let mut member = env.spawn_member("m");
     wait_until("flushes fail with the unknown code", Duration::from_secs(90), || async {
-        let (_, body) = member.http_get("/metrics").await;
-        match crate::helpers::http::metric_value_once_seen(
-            &body,
-            "clickagg_clickhouse_unknown_errors_total",
-            &["code=\"395\""],
-        ) {
+        match member.metric("clickagg_clickhouse_unknown_errors_total", &[]).await {
             n if n >= 3.0 => Ok(()),
             n => Err(format!("{n} errors with code 395")),
         }
     })
     .await;
+    member
+        .wait_for_line("error code 395 is not in clickagg's table of codes: retried", 0, Duration::from_secs(10))
+        .await;
     let before = env.committed_offsets().await;
     assert!(before.values().all(|&o| o <= 0), "nothing committed while no flush succeeds: {before:?}");
     env.sink().client().query("DROP VIEW injected_error").execute().await.expect("drop the view");

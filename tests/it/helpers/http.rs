@@ -41,12 +41,6 @@ pub fn metric_value(body: &str, name: &str, label_filter: &[&str]) -> f64 {
     })
 }
 
-/// Like [`metric_value`], for a series that only exists once it happened (a label
-/// whose values are not known in advance, such as an error code): 0 until then.
-pub fn metric_value_once_seen(body: &str, name: &str, label_filter: &[&str]) -> f64 {
-    series_sum(body, name, label_filter).unwrap_or(0.0)
-}
-
 /// The sum over the matching series; `None` when there is none.
 fn series_sum(body: &str, name: &str, label_filter: &[&str]) -> Option<f64> {
     let values: Vec<f64> = body
