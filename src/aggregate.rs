@@ -261,6 +261,17 @@ impl Aggregator {
         flush
     }
 
+    /// `partition` gets no more offsets: its reader read its range to the end. Its open
+    /// batch is complete as read (its last offsets may be transaction markers, never
+    /// delivered), so [`take_complete_batches`](Self::take_complete_batches) cuts it.
+    pub fn finish(&mut self, partition: i32) {
+        if let Some(state) = self.partitions.get_mut(&partition) {
+            if let Some(open) = state.open.take() {
+                state.complete.push(open);
+            }
+        }
+    }
+
     /// Like [`take_flush`](Self::take_flush) for the given partitions only, and forgets
     /// them: used when partitions are revoked.
     pub fn take_partitions(&mut self, partitions: &[i32]) -> Flush {
@@ -444,6 +455,26 @@ mod tests {
             agg.take_complete_batches().rows.iter().map(|r| (r.batch_start, r.clicks, r.version)).collect();
         assert_eq!(rows, [(10, 3, 19)], "the open batch once complete, with every click of it");
         assert_eq!(agg.buckets_held(), 0);
+    }
+
+    #[test]
+    fn a_partition_read_to_the_end_of_its_range_has_its_open_batch_complete_as_read() {
+        // Offsets 18 and 19 are transaction markers: no record closes batch 10.
+        let mut agg = Aggregator::new(n(10));
+        agg.observe(0, 12, Some(key(1, 0)), None);
+        agg.observe(0, 17, Some(key(1, 0)), None);
+        agg.observe(1, 4, Some(key(2, 0)), None); // still being read
+        assert!(agg.take_complete_batches().rows.is_empty());
+        agg.finish(0);
+        agg.finish(7); // nothing read of it: nothing to do
+        let rows: Vec<(i32, i64, u64, i64)> = agg
+            .take_complete_batches()
+            .rows
+            .iter()
+            .map(|r| (r.partition, r.batch_start, r.clicks, r.version))
+            .collect();
+        assert_eq!(rows, [(0, 10, 2, 17)], "partition 0's last batch whole; nothing of partition 1's open one");
+        assert_eq!(agg.buckets_held(), 1);
     }
 
     #[test]

@@ -702,8 +702,13 @@ impl Stages {
         self.job(flush, commit_mode)
     }
 
-    /// Like [`cut`](Self::cut) for the complete batches only (`replay --supersede`).
-    pub fn cut_complete_batches(&mut self, commit_mode: CommitMode) -> Job {
+    /// Like [`cut`](Self::cut) for the complete batches only (`replay --supersede`):
+    /// those a later offset closed, and the open batch of every partition of `finished`
+    /// (read to the end of its range). Nothing of a batch read part-way.
+    pub fn cut_complete_batches(&mut self, finished: impl IntoIterator<Item = i32>, commit_mode: CommitMode) -> Job {
+        for p in finished {
+            self.agg.finish(p);
+        }
         let flush = self.agg.take_complete_batches();
         self.job(flush, commit_mode)
     }
@@ -731,6 +736,11 @@ impl Stages {
             buckets,
             commit_mode,
         }
+    }
+
+    /// The partitions the aggregator holds state of.
+    pub fn counted_partitions(&self) -> Vec<i32> {
+        self.agg.partitions().collect()
     }
 
     /// Minute buckets held in the aggregator.

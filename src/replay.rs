@@ -51,7 +51,7 @@ pub struct ReplayArgs {
     #[arg(long)]
     pub no_dead_letters: bool,
     /// Rewrite the range so that its rows replace every row written before in its
-    /// batches, the members' included: to repair a wrong past count (README, "Repairing
+    /// batches, the members' included: to repair a wrong past count (guide, "Repairing
     /// a range"). Whole batches only, each already committed by the group; `--to` is
     /// rounded up to the end of its batch.
     #[arg(long)]
@@ -474,20 +474,16 @@ async fn run_plan(
         // batches do; a backlog half-way to the member's pause threshold cuts one early.
         let backlog = stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets / 2;
         if backlog || last_flush.elapsed() >= s.pipeline.flush_interval {
-            // A superseding replay writes whole batches only: its rows outrank the
-            // complete ones stored, so a batch cut part-way and then killed would read
-            // short (and adjust closed periods twice) until it ran again.
-            let job = match writer {
-                Writer::Supersede { .. } => stages.cut_complete_batches(CommitMode::Async),
-                _ => stages.cut(CommitMode::Async),
-            };
-            flusher.send(job).await;
+            flusher.send(cut(&mut stages, writer, reader.positions())).await;
             last_flush = Instant::now();
         }
         progress.update(&read, reader.positions(), &stages.totals);
     }
+    // The last cut, at the end of the ranges or on SIGTERM / Ctrl-C (`shutdown`): by the
+    // same rule as every other, so an interrupted supersede writes no batch part-way.
+    let last = cut(&mut stages, writer, reader.positions());
     let deadline = Instant::now() + s.pipeline.drain_timeout.max(Duration::from_secs(60));
-    if !flusher.drain(stages.cut(CommitMode::Async), deadline).await {
+    if !flusher.drain(last, deadline).await {
         flusher.abandon();
         bail!(
             "ClickHouse did not take the last rows within the drain timeout; run the replay again (it is idempotent)"
@@ -504,6 +500,29 @@ async fn run_plan(
         elapsed: Duration::ZERO,
         superseded: None,
     })
+}
+
+/// A cut of a replay's rows; `reading` is where the reader is in each partition it has
+/// not read to the end yet ([`RangeReader::positions`]).
+///
+/// A superseding replay cuts whole batches only: the complete ones, and the open batch of
+/// every partition read to the end of its range (which ends at a batch end). Its rows are
+/// stored above every row written before in their batches (`sink::stored_version`: the
+/// lowest offset of generation `g` outranks the highest a member can reach), so a batch
+/// cut part-way would replace the member's complete rows by a prefix of the batch, and
+/// its counts would read short — sealed so, and adjusted in closed periods — until a
+/// supersede ran to its end. That holds for the last cut too, after a SIGTERM or Ctrl-C:
+/// the batches still open there are left as they are stored, and a run again rewrites
+/// them. A plain replay's rows rank below the member's, so it cuts everything.
+pub fn cut(stages: &mut Stages, writer: Writer, reading: impl Iterator<Item = (i32, i64)>) -> crate::pipeline::Job {
+    match writer {
+        Writer::Supersede { .. } => {
+            let reading: std::collections::BTreeSet<i32> = reading.map(|(p, _)| p).collect();
+            let finished: Vec<i32> = stages.counted_partitions().into_iter().filter(|p| !reading.contains(p)).collect();
+            stages.cut_complete_batches(finished, CommitMode::Async)
+        }
+        Writer::Replay | Writer::Member => stages.cut(CommitMode::Async),
+    }
 }
 
 /// What a re-read decides for every record of `counted` (and of the warm-up before it),
@@ -646,6 +665,69 @@ mod tests {
         );
         let none = BTreeMap::from([(0, Some(2500)), (2, None)]);
         assert!(supersede_ranges(n(100), &counted, &none).unwrap_err().contains("nothing committed"));
+    }
+
+    /// One new click of ad 1 in the same minute at every offset of `offsets`.
+    fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<crate::source::Record> {
+        const T0: u32 = 1_795_996_800;
+        offsets
+            .map(|offset| crate::source::Record {
+                partition,
+                offset,
+                timestamp_ms: Some(i64::from(T0) * 1000),
+                outcome: Ok(crate::click::Click {
+                    click_id: crate::dedup::Fingerprint(((partition as u128) << 64) | offset as u128),
+                    ad_id: 1,
+                    ts_ms: i64::from(T0) * 1000,
+                    minute: crate::click::Minute::from_epoch_seconds(T0),
+                }),
+            })
+            .collect()
+    }
+
+    // Regression (issue 35): a SIGTERM during `replay --supersede` ended the run with the
+    // ordinary cut, which wrote the open batch read part-way; stored above the member's
+    // complete rows (generation versions), it read short until a supersede completed.
+    #[test]
+    fn a_superseding_replay_cuts_whole_batches_only_also_at_its_last_cut() {
+        let cfg = StagesConfig {
+            batch_offsets: n(10),
+            window: 86_400,
+            max_record_lag: Duration::from_secs(3600),
+            dead_letters: false,
+        };
+        let mut stages = Stages::new(cfg, Health::new());
+        let start = |partition| Start {
+            partition,
+            read_from: 0,
+            count_from: 0,
+            clock: crate::dedup::PartitionClock::at(None),
+            scope: crate::position::Scope::Private { resume: None },
+            commit_floor: 0,
+        };
+        stages.assign(vec![(start(0), RecordedPins::before(0)), (start(1), RecordedPins::before(0))]);
+        // Partition 0 superseding [0, 20), stopped after offset 14 (batch 10 read
+        // part-way); partition 1 superseding [0, 10), read to its end (offsets 8 and 9
+        // are transaction markers: nothing closes its batch but the end of the range).
+        let mut records = clicks(0, 0..15);
+        records.extend(clicks(1, 0..8));
+        let prepared = stages.prepare(records);
+        stages.apply(prepared, Vec::new());
+        let supersede = Writer::Supersede { generation: 1, batch_offsets: 10 };
+        let job = cut(&mut stages, supersede, [(0, 15)].into_iter());
+        let rows: Vec<(i32, i64, u64)> =
+            job.flush.rows.iter().map(|r| (r.partition, r.batch_start, r.clicks)).collect();
+        // Each row whole: the member's complete row of its batch holds as many clicks.
+        assert_eq!(rows, [(0, 0, 10), (1, 0, 8)], "whole batches only, none read part-way");
+        // What a row of batch 10 would have done: any offset of it at generation 1
+        // outranks the member's complete row, whatever it holds.
+        let partial = crate::sink::stored_version(14, supersede);
+        assert!(partial > crate::sink::stored_version(19, Writer::Member));
+        // A plain replay's rows rank below the member's: it cuts everything it read.
+        let job = cut(&mut stages, Writer::Replay, [(0, 15)].into_iter());
+        let rows: Vec<(i32, i64, u64)> =
+            job.flush.rows.iter().map(|r| (r.partition, r.batch_start, r.clicks)).collect();
+        assert_eq!(rows, [(0, 10, 5)]);
     }
 
     #[test]

@@ -264,6 +264,18 @@ impl Sealer {
                 positions: positions.to_string(),
             });
         }
+        // Every row read belongs to one of `hours`, in order, so the loop took them all.
+        // One left over is not an hour's sum: an answer the server broke off, whose tail
+        // decoded as rows. The hours after it would be recorded with the clicks read
+        // before it (none, say): nothing is recorded, and the round is tried again.
+        if let Some(r) = next {
+            return Err(SealError::Sink(SinkError::Transient(format!(
+                "the read of the minute rows of {} hours from {first} answered a row of hour {} after its \
+                 last: an answer cut short; not sealed",
+                hours.len(),
+                r.hour
+            ))));
+        }
         sink.insert_seal_records(&records).await?;
         stop_point("seal:after-hour-records");
         Ok(true)
@@ -330,4 +342,77 @@ fn count(grain: Grain, again: bool, report: &mut Report) {
     };
     *field += 1;
     metrics::counter!(counter, "grain" => grain_word(grain)).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sink::fake_server::{self, Answer, FakeServer, Request};
+
+    /// 2026-11-30T00:00:00Z.
+    const DAY0: u32 = 1_795_996_800;
+
+    /// An `HourAd` row as RowBinary.
+    fn hour_ad(hour: u32, ad_id: u64, clicks: u64, weight: u64) -> Vec<u8> {
+        [hour.to_le_bytes().as_slice(), &ad_id.to_le_bytes(), &clicks.to_le_bytes(), &weight.to_le_bytes()].concat()
+    }
+
+    /// A server whose seal read of three hours (clicks in each) fails after its first
+    /// block, as 18.16 sends it; with `holds_answers`, it keeps a whole answer back until
+    /// the query ends when asked to (`wait_end_of_query=1`), as every server does.
+    async fn server(holds_answers: bool) -> FakeServer {
+        fake_server::serve(move |r: &Request| {
+            let sql = r.sql.as_str();
+            if sql.starts_with("SELECT toUInt32(now())") {
+                Answer::Rows((DAY0 + 10 * 3_600).to_le_bytes().to_vec())
+            } else if sql.contains("FROM clickagg_seal_progress") {
+                // Sealed up to the start of the day; the last round at its start.
+                Answer::Rows([1u64.to_le_bytes().as_slice(), &DAY0.to_le_bytes(), &DAY0.to_le_bytes()].concat())
+            } else if sql.contains("AS weight") {
+                let text = fake_server::timeout_18_16(28);
+                if holds_answers && r.params.get("wait_end_of_query").map(String::as_str) == Some("1") {
+                    return Answer::Error { status: 500, text };
+                }
+                // The first block: the first hour's ads. The other hours' rows never come.
+                let rows = [hour_ad(DAY0, 1, 40, 1), hour_ad(DAY0, 2, 2, 1)].concat();
+                Answer::BrokenOff { rows, text }
+            } else {
+                Answer::Rows(Vec::new())
+            }
+        })
+        .await
+    }
+
+    async fn round_against(server: &FakeServer) -> Result<Report, SealError> {
+        let settings = crate::config::ClickHouseSettings {
+            url: crate::secrets::SecretUrl::new(server.url.clone()),
+            ..Default::default()
+        };
+        let sealer = Sealer::new(Sink::new(&settings), "clicks", Due::Through(DAY0 + 3 * HOUR), Duration::from_secs(5));
+        sealer.round(None).await
+    }
+
+    // Regression (issue 35): the 18.16 exception after the first block of a seal's read
+    // decoded as a row of some other hour, the loop over the hours stopped at it, and the
+    // hours after the first were recorded sealed with no clicks: billing read them as 0.
+    #[tokio::test]
+    async fn a_seal_read_broken_off_by_an_exception_seals_no_hour() {
+        let server = server(true).await;
+        let round = round_against(&server).await;
+        let records = server.requests_with("clickagg_seals").iter().filter(|r| r.sql.starts_with("INSERT")).count();
+        assert!(round.is_err() && records == 0, "{round:?}; {records} inserts of seal records");
+        assert!(round.unwrap_err().to_string().contains("Code: 159"));
+    }
+
+    // The same answer from a server that does not hold it back (a proxy that drops the
+    // parameter, say): the row the loop over the hours did not take fails the round.
+    #[tokio::test]
+    async fn a_row_the_loop_over_the_hours_did_not_take_fails_the_round() {
+        let server = server(false).await;
+        let round = round_against(&server).await;
+        let records = server.requests_with("clickagg_seals").iter().filter(|r| r.sql.starts_with("INSERT")).count();
+        assert!(round.is_err() && records == 0, "{round:?}; {records} inserts of seal records");
+        let e = round.unwrap_err();
+        assert!(!e.is_fatal(), "retried: {e}");
+    }
 }

@@ -7,12 +7,17 @@
 //! The client is configured for every server the project supports: no compression
 //! (the Debian 18.16 server's HTTP handler fails on the crate's LZ4 frames and the
 //! SELECT comes back empty without an error) and no schema validation (18.16 has no
-//! `RowBinaryWithNamesAndTypes`). Every value a request carries is bound (`?`), never
-//! spliced into the SQL; only identifiers (table, database and cluster names) are
-//! quoted into it.
+//! `RowBinaryWithNamesAndTypes`). Without validation a RowBinary answer is bytes the
+//! client cuts into rows, so every request asks the server to hold its answer until the
+//! query ends (`wait_end_of_query=1`): a query that fails then answers an error status,
+//! never rows followed by an exception text. Every value a request carries is bound
+//! (`?`), never spliced into the SQL; only identifiers (table, database and cluster
+//! names) are quoted into it.
 
 pub mod billing;
 mod error;
+#[cfg(test)]
+pub(crate) mod fake_server;
 pub mod periods;
 pub mod read;
 mod registry;
@@ -144,7 +149,17 @@ impl Sink {
             // that lacks a part written with a quorum refuses the read (code 289, retried)
             // instead of answering without it; on a table that is not replicated the
             // setting changes nothing.
-            .with_option("select_sequential_consistency", "1");
+            .with_option("select_sequential_consistency", "1")
+            // The whole answer is held by the server until the query ends (in memory,
+            // then a temporary file), so a query that fails sends an error status and
+            // its code, never rows followed by an exception. Without it, a failure after
+            // the first block (a timeout, the memory limit, a node lost mid-read) comes
+            // after HTTP 200 and the rows sent so far: 18.16 appends the exception as
+            // plain text, which the client does not recognise (it looks for current
+            // servers' markers), and RowBinary without validation decodes it as rows.
+            // A parameter of the HTTP handler, not a setting: 18.16 and current servers
+            // take it alike.
+            .with_option("wait_end_of_query", "1");
         if let Some(password) = &endpoint.password {
             server = server.with_password(password.expose());
         }
@@ -220,8 +235,6 @@ impl Sink {
     }
 }
 
-/// An HTTP(S) connector that also trusts the CA in `ca_file` (PEM). The file was checked
-/// when the settings were loaded; a certificate that does not parse is fatal here.
 /// An HTTPS connector with the private CA and the client certificate of the settings,
 /// or `None` when there are none. The files are the copy read when the settings were
 /// validated (`config::tls`): one rotated or removed since changes nothing. Should they
@@ -269,6 +282,39 @@ pub fn quote_literal(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // Regression (issue 35): ClickHouse 18.16 answers a query that fails after its first
+    // block with HTTP 200, the rows, then the exception as plain text. The client looks
+    // for the text of current servers only (`__exception__`, or a last chunk ending in
+    // `))\n`), and with validation off the text decoded as rows: a read came back Ok,
+    // its tail made up.
+    #[tokio::test]
+    async fn a_read_that_fails_after_its_first_block_is_an_error_never_rows() {
+        let rows: Vec<u8> = [3_600u32, 7_200, 10_800].iter().flat_map(|h| h.to_le_bytes()).collect();
+        let text = fake_server::timeout_18_16(4);
+        let server = fake_server::serve(move |r| {
+            if r.params.get("wait_end_of_query").map(String::as_str) == Some("1") {
+                // The whole answer is held until the query ends, so a failure has sent
+                // nothing yet: an error status, as 18.16 and current servers answer.
+                fake_server::Answer::Error { status: 500, text: text.clone() }
+            } else {
+                fake_server::Answer::BrokenOff { rows: rows.clone(), text: text.clone() }
+            }
+        })
+        .await;
+        let settings = crate::config::ClickHouseSettings {
+            url: crate::secrets::SecretUrl::new(server.url.clone()),
+            ..Default::default()
+        };
+        let sink = Sink::new(&settings);
+        match sink.touched_since("clicks", 0).await {
+            Ok(hours) => panic!("a broken-off answer read as {} hours: {hours:?}", hours.len()),
+            Err(e) => {
+                assert!(!e.is_fatal(), "a timeout is retried: {e}");
+                assert!(e.to_string().contains("Code: 159"), "{e}");
+            }
+        }
+    }
 
     // Regression (issue 35): a client built after the CA file was rotated away panicked
     // (`clickhouse.tls_ca_file …: No such file`): members build clients after start (the

@@ -487,3 +487,105 @@ async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_t
     assert!(e["batches"].as_array().unwrap().iter().all(|b| b["writer"] == "supersede" && b["generation"] == 4), "{e}");
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
+
+// Regression (issue 35): SIGTERM or Ctrl-C during `replay --supersede` ended the run with
+// the ordinary cut, which wrote the batches it was in the middle of. A superseding row
+// outranks the member's complete row of its batch whatever its offset (generation
+// versions), so those counts read short until a supersede completed, and the member's
+// sealing rounds adjusted the closed day down, then up again. The kill tests stopped at
+// named points only, where every cut was whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supersede_stopped_by_sigterm_leaves_no_count_short_and_adjusts_no_closed_day() {
+    let mut env = TestEnv::new("supersedeterm").await;
+    // The member seals every second: its rounds see whatever a stopped supersede left.
+    env.extra_env.push(("CLICKAGG__SEAL__INTERVAL".into(), "1s".into()));
+    let n = env.batch_offsets;
+    let day = day_before_today(2);
+    // Few ads over half an hour: a bucket (ad, minute) gets many clicks of each batch, so
+    // a batch cut part-way is short in the minute it stops in, wherever that is.
+    let spec = Spec {
+        count: 20_000,
+        seed: 65,
+        ads: 10,
+        start_ms: i64::from(day + 10 * 3600) * 1000,
+        span: Duration::from_secs(1800),
+        ..Spec::default()
+    };
+    let (records, mut truth) = produce::plan(&spec);
+    // Today's clicks follow, so that every batch of that day is committed by the member.
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let today = Spec { count: 3 * 4 * n, seed: 66, ads: 10, start_ms: now_ms - 3_600_000, ..Spec::default() };
+    let (after, after_truth) = produce::plan(&today);
+    for (k, c) in after_truth.counts {
+        *truth.counts.entry(k).or_default() += c;
+    }
+    env.send(&records, 4, None).await;
+    env.send(&after, 4, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (code, stdout, stderr) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    close_day(&env, day, &["--force"]);
+
+    let to = rfc3339(day + DAY);
+    let args = ["replay", "--supersede", "--from", "earliest", "--to", &to];
+    // Small poll batches and a flush after each: the replay is always in the middle of a
+    // batch, and slow enough to be stopped part-way.
+    let mid_batch = [("CLICKAGG__PIPELINE__MAX_POLL_RECORDS", "50"), ("CLICKAGG__PIPELINE__FLUSH_INTERVAL", "1ms")];
+    let superseded =
+        format!("SELECT count() FROM ad_clicks_minute WHERE topic = ? AND {} >= ?", clickagg::sink::generation_sql(n));
+    let short = |billing: &BTreeMap<BucketKey, u64>| -> Vec<String> {
+        clickagg::verify::diff(&truth.counts, billing)
+            .mismatches
+            .iter()
+            .filter(|m| m.actual < m.expected)
+            .map(|m| format!("{:?}: {} of {}", m.key, m.actual, m.expected))
+            .collect()
+    };
+    for generation in 1..=2u64 {
+        let label = format!("supersede-term-{generation}");
+        let mut p = env.spawn(&label, &args, &mid_batch);
+        // Stopped once its first rows are written, while it reads on; the counts are
+        // read all along, and none may be short.
+        let stopped = tokio::time::Instant::now() + Duration::from_secs(120);
+        loop {
+            let written: u64 =
+                env.sink().client().query(&superseded).bind(&env.topic).bind(generation).fetch_one().await.unwrap();
+            let billing = env.billing().await;
+            assert!(short(&billing).is_empty(), "{label}: counts read short while it ran: {:?}", short(&billing));
+            if written > 0 {
+                break;
+            }
+            assert!(tokio::time::Instant::now() < stopped, "{label} wrote nothing:\n{}", p.output());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let code = p.terminate(Duration::from_secs(60)).await;
+        assert!(!p.output().contains("superseded every earlier row"), "{label} ran to its end: raise the count");
+        assert_eq!(code, 130, "{label} was stopped part-way, and says so:\n{}", p.output());
+        let billing = env.billing().await;
+        assert!(short(&billing).is_empty(), "{label}: counts short after SIGTERM: {:?}", short(&billing));
+        // Whole batches of the same clicks: every count is the truth.
+        let d = clickagg::verify::diff(&truth.counts, &billing);
+        assert!(d.is_exact(), "after {label}:\n{}", d.report(20));
+        // The member's sealing rounds meanwhile (every second) find nothing to adjust.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    // The member's rounds, and one more after them: nothing changed the closed day.
+    let (code, stdout, stderr) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    assert_eq!(code, 0, "{stdout}\n{stderr}");
+    assert!(!stdout.contains("adjustments"), "{stdout}");
+    let (view, ads) = period_view(&env, day);
+    for a in view["ads"].as_array().unwrap() {
+        assert!(a["adjustments"].as_array().is_none_or(|rows| rows.is_empty()), "no adjustment row: {a}");
+    }
+    assert!(ads.values().all(|&(closed, adjusted, current)| adjusted == 0 && closed == Some(current)), "{ads:?}");
+
+    // Run to its end, it writes the same counts, and still adjusts nothing.
+    let out = supersede(&env, "supersede-whole", &to).await;
+    assert!(out.contains("(generation 3, "), "{out}");
+    env.assert_counts_exact(&truth.counts, "superseded whole").await;
+    run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
+    let (_, ads) = period_view(&env, day);
+    assert!(ads.values().all(|&(closed, adjusted, current)| adjusted == 0 && closed == Some(current)), "{ads:?}");
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}

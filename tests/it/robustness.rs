@@ -296,3 +296,29 @@ async fn secrets_in_service_urls_never_appear_in_config_logs_errors_or_metrics()
     assert_eq!(bad.wait(Duration::from_secs(90)).await, 1, "{}", bad.output());
     assert_clean("run-wrong-redis", &bad.output());
 }
+
+// Regression (issue 35): ClickHouse 18.16 answers a query that fails after its first
+// block went out (past its 1 MiB response buffer) with HTTP 200, the rows, and then the
+// exception as plain text. The client recognises only current servers' endings, and
+// RowBinary without validation decoded the text as rows: a read returned Ok with a
+// made-up tail (a seal could record hours as empty). Both servers must answer an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_query_that_fails_after_its_first_block_is_an_error_on_18_16_and_on_the_current_server() {
+    let stack = PrivateStack::start("late18", &["clickhouse18"]).await;
+    let servers = [("18.16", stack.clickhouse_url().unwrap()), ("current", crate::helpers::env::clickhouse_url())];
+    // 3 MB of one-byte rows before the failure, in blocks of 64 Ki: well past the first
+    // buffer; every byte of an exception text then decodes as a row.
+    let sql = "SELECT throwIf(number = 3000000) FROM system.numbers LIMIT 6000000 SETTINGS max_block_size = 65536";
+    for (server, url) in servers {
+        let settings = clickagg::config::ClickHouseSettings {
+            url: clickagg::secrets::SecretUrl::new(url),
+            database: "system".into(),
+            ..Default::default()
+        };
+        let sink = clickagg::sink::Sink::new(&settings);
+        match sink.client().query(sql).fetch_all::<u8>().await {
+            Ok(rows) => panic!("{server}: a failed query read as {} rows", rows.len()),
+            Err(e) => assert!(e.to_string().contains("Code: 395"), "{server}: the server's exception: {e}"),
+        }
+    }
+}
