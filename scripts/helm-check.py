@@ -38,7 +38,7 @@ SECRET_FILE_VARS = {
     "clickhouse-url": "CLICKAGG__CLICKHOUSE__URL_FILE",
     "dedup-fingerprint-key": "CLICKAGG__DEDUP__FINGERPRINT_KEY_FILE",
 }
-# Settings that are secrets (src/config.rs): never by value in the ConfigMap or env.
+# Settings that are secrets (src/config/): never by value in the ConfigMap or env.
 SECRET_SETTINGS = [
     ("kafka", "sasl_password"),
     ("kafka", "ssl_key_password"),

@@ -1,4 +1,4 @@
--- The record clock of a partition at batch boundaries (README, "What counts", record
+-- The record clock of a partition at batch boundaries (guide, "What counts", record
 -- time): the state of the clock just before `boundary`, written by the flush of every
 -- reader that crossed it (before the offset commit that passes it).
 --

@@ -1,4 +1,4 @@
--- The settings that decide which clicks count (README, "What counts"): the dedup window,
+-- The settings that decide which clicks count (guide, "What counts"): the dedup window,
 -- the fingerprint key (by an identifier, never the key), the shard count and the
 -- validation limits, recorded per topic like the batch size. Version 1 holds from the
 -- start of every partition; each later version (`clickagg settings change`) from the

@@ -1,4 +1,4 @@
--- Sealed hours and days (README, "Sealed hours"): the minute rows of an hour that has
+-- Sealed hours and days (guide, "Sealed hours"): the minute rows of an hour that has
 -- settled, compacted into one row per (topic, ad, hour), and the same per day. Written
 -- by the sealer (`clickagg seal`, and one member of the group at a time), read by
 -- `query` for the sealed part of a range. Derived data: each row is recomputed from

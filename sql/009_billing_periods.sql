@@ -1,4 +1,4 @@
--- Closed billing periods and their adjustments (README, "Billing periods and disputes").
+-- Closed billing periods and their adjustments (guide, "Billing periods and disputes").
 --
 -- `clickagg close --period day|month <date>` freezes a period's totals per ad: the
 -- rows of `clickagg_closed`, all of one close carrying its `close_id` (a hash of the

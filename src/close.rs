@@ -1,4 +1,4 @@
-//! `clickagg close`: freeze a billing period's totals (README, "Billing periods and
+//! `clickagg close`: freeze a billing period's totals (guide, "Billing periods and
 //! disputes"; `sql/009_billing_periods.sql`).
 //!
 //! A close reads the period's total per ad through the billing read, names them by a
@@ -26,7 +26,7 @@ use crate::sealing::stop_point;
 use crate::sink::periods::{AdjustmentRow, Close};
 use crate::sink::{Sink, SinkError};
 
-/// Exit code of a close refused because the period is not sealed (README, "Exit codes").
+/// Exit code of a close refused because the period is not sealed (guide, "Exit codes").
 pub const EXIT_NOT_SEALED: u8 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]

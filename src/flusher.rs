@@ -226,7 +226,7 @@ fn drop_fenced(why: &str) {
 /// decisions nobody else knows; the member that took its partitions over decided them
 /// again in a new namespace, and those rows or pins, written after its own, would outrank
 /// or contradict them (counted twice, or lost). What remains is a freeze between a check
-/// and the insert after it (README, "Known limits").
+/// and the insert after it (guide, "Known limits").
 async fn write(c: &mut FlusherConfig, job: &Job, shared: &Shared, log_limit: &RateLimiter) -> Result<Written, String> {
     let f = &job.flush;
     let span = info_span!("flush", rows = f.rows.len(), pins = f.pins.len(), dead_letters = job.dead_letters.len(), commits = ?f.commits);

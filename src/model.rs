@@ -1,4 +1,4 @@
-//! The property test of the definition (README, "What counts"), with an oracle that
+//! The property test of the definition (guide, "What counts"), with an oracle that
 //! does not trust the product.
 //!
 //! - [`oracle`] computes, from the log alone, what every bucket must hold: the record
@@ -26,7 +26,7 @@
 //! Counterexamples the model found are shrunk and written out at the end of this file.
 //! None is open: the ones marked `Regression` were fixed since, and are kept as they
 //! were (an open one would be an ignored `PRODUCT DEFECT` test until fixed). What the
-//! model still steps around, each where it happens — limits README "Known limits" names,
+//! model still steps around, each where it happens — limits the guide names (guide, "Known limits"),
 //! or liveness cases it cannot decide:
 //! - the generator ends every partition with a click (`log::LAST_IDS`);
 //! - a last member stuck waiting is followed by a wipe and another; stuck again, the case
@@ -101,7 +101,7 @@ enum Op {
     /// A replay from fractions (of 255) of each partition.
     Replay { from: Vec<u8> },
     /// The tables are dropped and rebuilt: `migrate`, then `replay --from earliest` to
-    /// its end (README, "Backfill"), while members go on.
+    /// its end (guide, "Backfill"), while members go on.
     Rebuild,
     /// Replay `r` reads `k` records (of its `p`-th open partition), or is killed.
     ReplayRead { r: u8, p: u8, k: u8, crash: bool },
@@ -349,7 +349,7 @@ impl Run {
             Op::Rebuild => {
                 // Whoever rebuilds the tables stops the replays still running: one that
                 // read a copy ahead of the members, before they pinned it, would write
-                // its row last (README, "Known limits"). One the members overtook follows
+                // its row last (guide, "Known limits"). One the members overtook follows
                 // their pins (the test
                 // `a_replay_that_loaded_its_pins_before_a_copy_was_pinned_outlives_a_rebuilt_table`).
                 self.replays.clear();
@@ -498,7 +498,7 @@ impl Run {
         };
         // Cross-partition clicks whose copies the product, as it stands, cannot be held to
         // "exactly once": a copy in a range resets skipped, which a replay counts by the
-        // per-partition rule (README, "Known limits") — still at least once; a click the
+        // per-partition rule (guide, "Known limits") — still at least once; a click the
         // cache forgot while one copy was decided and another not (`World::exposed`: the
         // defects there count it twice or not at all), and one with a copy where a kept
         // row stands in. Every other one counts exactly once.
@@ -645,7 +645,7 @@ const FAR: u32 = 200_000;
 // *later*, so every later sighting of that ID in the partition was a duplicate until the
 // clock reached it (year 2100: forever), while a reader whose lookback started after the
 // far-ahead record did not see it at all. Now such a sighting is an item of its own
-// (`Chain::ahead`), remembered within a window of its reach (README, "What counts").
+// (`Chain::ahead`), remembered within a window of its reach (guide, "What counts").
 #[test]
 fn a_click_judged_far_ahead_makes_later_sightings_of_its_id_duplicates_while_the_cache_lives() {
     // W = 10, batches of 2: click 7 at 0; click 9 stamped days ahead; rejected records

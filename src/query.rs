@@ -75,7 +75,7 @@ pub struct QueryArgs {
     #[arg(long, value_name = "DAY|MONTH", value_parser = parse_billing_period)]
     pub period: Option<Period>,
     /// With --period: the period's close, its adjustments and the current counts side
-    /// by side, per ad (README, "Billing periods and disputes").
+    /// by side, per ad (guide, "Billing periods and disputes").
     #[arg(long, requires = "period")]
     pub with_adjustments: bool,
     /// Only this ad; repeat for several. Default: every ad.

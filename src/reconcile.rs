@@ -1,7 +1,7 @@
 //! `clickagg reconcile`: recount the clicks per ad per minute straight from the topic,
 //! independently of Redis and of the live pipeline's state, and diff against ClickHouse.
 //!
-//! The recount applies the definition of what counts (README, "What counts";
+//! The recount applies the definition of what counts (guide, "What counts";
 //! `dedup::PrivateScope`): the same validation as the pipeline (`click::decode`, judged
 //! against record timestamps), and per partition in offset order, a click counts unless
 //! an earlier sighting of its ID lies within the dedup window on the partition's clock.

@@ -10,7 +10,7 @@
 -- persistence, a failover to an empty replica, FLUSHALL) has no `ns` key, or one a
 -- member never saw; every call checks it against the namespace the caller uses and
 -- answers LOST instead of deciding from nothing. The member then moves everyone to a
--- new namespace and rebuilds it from the log (src/dedup/shared.rs).
+-- new namespace and rebuilds it from the log (src/cache/namespace.rs).
 --
 -- Per namespace:
 --   shard hashes   field = a fingerprint's low 88 bits (11 bytes); value = the items of

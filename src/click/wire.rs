@@ -346,7 +346,7 @@ fn protobuf_kind(v: &Proto) -> &'static str {
     }
 }
 
-/// How the records of the topic are encoded (README, "Click events").
+/// How the records of the topic are encoded (guide, "Click events").
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {

@@ -38,7 +38,7 @@ pub enum Command {
     /// ad in one minute.
     Explain(crate::explain::ExplainArgs),
     /// Freeze the billing totals of a day or month once it is sealed; later changes to
-    /// it become adjustments (README, "Billing periods and disputes"). Exit 4 when the
+    /// it become adjustments (guide, "Billing periods and disputes"). Exit 4 when the
     /// period is not sealed yet.
     Close(crate::close::CloseArgs),
     /// Backfill: re-read a range of the topic into ClickHouse; idempotent.
@@ -55,7 +55,7 @@ pub enum Command {
     /// Print the effective configuration (defaults < file < environment < flags), secrets redacted.
     Config,
     /// The settings that decide which clicks count, as the topic records them; change
-    /// them on purpose (README, "Changing what counts").
+    /// them on purpose (guide, "Changing what counts").
     #[command(subcommand)]
     Settings(super::settings::SettingsCommand),
 }

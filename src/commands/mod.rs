@@ -25,7 +25,7 @@ use crate::telemetry;
 use crate::verify;
 use cli::{Command, MigrateArgs, ProduceArgs, SealArgs, VerifyArgs};
 
-// Exit codes, the same for every command (README, "Exit codes"): 0 done; 1 could not
+// Exit codes, the same for every command (guide, "Exit codes"): 0 done; 1 could not
 // run or stopped on an error (a service unreachable or refusing, a file unreadable);
 // 2 a bad setting or flag (`main`, and clap's own usage errors).
 

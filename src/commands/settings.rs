@@ -2,7 +2,7 @@
 //! records them (`show`), and the one way to change them on purpose (`change`).
 //!
 //! Why a procedure: the window, the fingerprint key, the shard count and the validation
-//! limits are part of the definition of what counts (README, "What counts"). A member
+//! limits are part of the definition of what counts (guide, "What counts"). A member
 //! that decided under other values than the ones that decided before it would count
 //! retries of earlier clicks again, so members refuse to start with values other than
 //! the recorded ones. `change` deletes the rows past the group's committed offsets

@@ -47,7 +47,7 @@ pub struct Settings {
 }
 
 /// What counts as a duplicate, and how the Redis cache of that decision is kept
-/// (README, "What counts").
+/// (guide, "What counts").
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DedupSettings {
@@ -230,7 +230,7 @@ impl Default for DeadLetterSettings {
     }
 }
 
-/// The sealer (README, "Sealed hours"): one member of the group at a time compacts the
+/// The sealer (guide, "Sealed hours"): one member of the group at a time compacts the
 /// minute rows of settled hours into sealed hours and days.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -399,5 +399,7 @@ impl Settings {
     }
 }
 
+#[cfg(test)]
+mod reference;
 #[cfg(test)]
 mod tests;

@@ -1,5 +1,5 @@
 //! A partition's record clock: the time every dedup decision in the partition is made
-//! at (README, "What counts", record time).
+//! at (guide, "What counts", record time).
 //!
 //! The clock is the highest Kafka record timestamp among the records read so far, with
 //! one exception that keeps a single absurd timestamp from moving it for good: a record
@@ -55,7 +55,7 @@ impl PartitionClock {
 
     /// [`tick`](Self::tick), and whether the record confirmed the jump the record before
     /// it made (the clock moved to it): that record's sighting is then remembered from
-    /// the clock it moved to (README, "What counts").
+    /// the clock it moved to (guide, "What counts").
     pub fn tick_confirming(&mut self, record_ts_ms: Option<i64>) -> (Secs, bool) {
         let Some(t) = record_ts_ms.and_then(secs_of_millis) else { return (self.now(), false) };
         let mut confirmed = false;
@@ -94,7 +94,7 @@ impl PartitionClock {
 
 /// A partition's clock as a reader keeps it, with the click judged ahead of it whose
 /// jump the next timestamped record may still confirm (offset, fingerprint): when that
-/// record does, the click's sighting reaches from the clock it moved to (README, "What
+/// record does, the click's sighting reaches from the clock it moved to (guide, "What
 /// counts"), and the reader says so to its dedup state.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Timeline {

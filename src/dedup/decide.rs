@@ -114,7 +114,7 @@ pub struct Chain {
     pub counted: bool,
     pub last_seen: Secs,
     /// `Some(reach)` for a sighting judged at its own timestamp, more than an hour ahead
-    /// of its partition's clock (README, "What counts"): `first` is that sighting and
+    /// of its partition's clock (guide, "What counts"): `first` is that sighting and
     /// `last_seen` its record time; it matters to later sightings only while the
     /// partition's clock stays within the window of `reach` — the clock it was read at,
     /// or the one the next record moved the clock to when it confirmed the jump. So one

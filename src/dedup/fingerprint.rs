@@ -6,7 +6,7 @@
 //! and stores its low 88 bits as the field (11 bytes: what keeps an entry within 32
 //! bytes of Redis memory), so two click IDs share an entry only if all
 //! `88 + log2(shards)` bits agree — at least 100 with the smallest allowed shard count
-//! (README, "What counts", gives the odds).
+//! (guide, "What counts", gives the odds).
 
 use siphasher::sip128::SipHasher13;
 

@@ -1,4 +1,4 @@
-//! The settings that decide which clicks count (README, "What counts"): the window, the
+//! The settings that decide which clicks count (guide, "What counts"): the window, the
 //! fingerprint key, the shard count, the validation limits and how a record is read
 //! (format, field paths, timestamp unit). They are part of the
 //! definition, as the batch size is part of every batch's identity: a reader with other

@@ -43,7 +43,7 @@ pub(super) async fn wait_for_redis(
 /// a re-read would no longer see the originals its duplicates were judged by); a
 /// retention shorter than the window plus `dedup.max_record_lag`, and record
 /// timestamps accepted without a bound ahead, are named in a loud warning (what they do
-/// to the counts is in README, "What counts").
+/// to the counts is in the guide, "What counts").
 pub(super) async fn check_topic_config(s: &Settings) -> Result<(), PipelineError> {
     // A topic that does not exist yet is created with the broker's defaults.
     let Ok(configs) = source::topic_configs(&s.kafka, &s.kafka.topic).await else { return Ok(()) };
@@ -103,7 +103,7 @@ pub(super) async fn check_recorded_rules(
         return Err(PipelineError::Fatal(format!(
             "the settings that decide which clicks count differ from those recorded for topic {} (settings \
              version {}): {}. Run every member with the recorded settings, or change them on purpose with \
-             `clickagg settings change` (README, \"Changing what counts\").",
+             `clickagg settings change` (guide: docs/src/operate/changing-what-counts.md).",
             s.kafka.topic,
             latest.version,
             list.join("; ")

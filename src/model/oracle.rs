@@ -1,9 +1,9 @@
-//! The reference: which records count, computed from the definition in README "What
-//! counts" and nothing else. It shares no code with `dedup::clock` or `dedup::decide`
+//! The reference: which records count, computed from the definition (guide, "What
+//! counts") and nothing else. It shares no code with `dedup::clock` or `dedup::decide`
 //! (nor with anything the simulated system runs): every rule is a plain scan over the
 //! log, quadratic and obvious rather than fast.
 //!
-//! Where the README's wording leaves a case open, the oracle refuses it (it panics with
+//! Where the guide's wording leaves a case open, the oracle refuses it (it panics with
 //! "ambiguous"), and the generator does not produce it:
 //! - a far-ahead record confirmed by a next record stamped *differently* (within the hour
 //!   of it, but not alike): is the confirming record judged at its own timestamp or at

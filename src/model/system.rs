@@ -3,8 +3,8 @@
 //! processes — live members and replays — built from the product's pure pieces
 //! (`Aggregator`, `position`, `PartitionClock`, `PrivateScope`, `decide_shared` through
 //! the cache mirror, `sweep_cutoff`) and mirrors of the steps that do I/O:
-//! `Stages::prepare`/`apply`/`fall_back_to_private`/`start_over`/`holds`/`ensure_pins`,
-//! `plan_shared_starts`, `planner::marks`, the `Claimer`, `Loop::run`/`start_over`/
+//! `Stages::prepare`/`apply`/`fall_back`/`start_over`/`holds`, `Planner::plan_starts`/
+//! `fall_back`/`ensure_pins`, `planner::marks`, the `Claimer`, `Loop::run`/`start_over`/
 //! `rewind`, the flusher (pins, clocks, day, hour and minute rows, then the commit) and
 //! `replay`.
 //!
@@ -749,7 +749,7 @@ impl Member {
         self.st.readers.iter().all(|(&p, r)| r.last + 1 >= w.len(p))
     }
 
-    /// `Stages::plan_shared_starts`.
+    /// `Planner::plan_starts`.
     fn plan(&mut self, w: &mut World, partitions: &[i32]) -> Result<Planned, Lost> {
         let mut starts = Vec::new();
         let need = w.lagging_clock();
@@ -1036,7 +1036,7 @@ impl Member {
         add(&coverage::FALL_BACKS, applied.fall_backs.len());
         for p in applied.fall_backs {
             if self.fall_back(w, p).is_err() {
-                // `fall_back_to_private` answers lost: the error ends the member.
+                // `Planner::fall_back` answers lost: the error ends the member.
                 return Fate::Dead;
             }
         }
@@ -1047,7 +1047,7 @@ impl Member {
         Fate::Alive
     }
 
-    /// `Stages::fall_back_to_private`.
+    /// `Planner::fall_back` with `Stages::fall_back`.
     fn fall_back(&mut self, w: &mut World, p: i32) -> Result<(), ()> {
         let Some(reader) = self.st.readers.get(&p) else { return Ok(()) };
         let (count_from, floor) = (reader.count_from, reader.commit_floor);

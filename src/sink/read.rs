@@ -72,7 +72,7 @@ impl Sink {
 
     /// The recorded clock at the highest boundary of `partition` in `[low, at]` with no
     /// jump pending: a reader starting there reads the click whose jump the next record
-    /// may confirm (README, "What counts"), so it can tell its dedup state when it does.
+    /// may confirm (guide, "What counts"), so it can tell its dedup state when it does.
     pub async fn clock_at_or_below(
         &self,
         topic: &str,

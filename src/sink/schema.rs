@@ -4,7 +4,7 @@
 //! Gaps in the numbering are migrations that were retired: `004` (hour and day batch
 //! roll-ups written by every flush) and `005` (the record of their one-off backfill),
 //! replaced by the sealed hours of `008`. An upgraded database keeps those tables
-//! until an operator drops them (README, "Sealed hours").
+//! until an operator drops them (guide, "Sealed hours").
 
 use super::{
     quote_ident, quote_literal, Sink, SinkError, ADJUSTMENTS, CLOSED, CLOSES, SEALED_DAY, SEALED_HOUR, SEALS,

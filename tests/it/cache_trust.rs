@@ -1,7 +1,7 @@
 //! The dedup cache is only a cache: whatever happens to it while members run — lost,
 //! restarted empty, read under other settings, bypassed by a lagging group — and
 //! whatever junk a producer stamps on a record, the counts stay the definition's
-//! (README, "What counts"). Every test checks the generator's ground truth.
+//! (guide, "What counts"). Every test checks the generator's ground truth.
 
 use std::collections::BTreeMap;
 use std::time::Duration;

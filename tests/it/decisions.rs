@@ -1,4 +1,4 @@
-//! Dedup decisions are a function of the log (README, "What counts"): every re-read —
+//! Dedup decisions are a function of the log (guide, "What counts"): every re-read —
 //! a backfill after the dedup keys are gone, a replay of the middle of the topic, a
 //! group reset to any offset — writes the rows the first read wrote. Each test starts
 //! from an exact live run with copies of clicks on other partitions (whose recorded

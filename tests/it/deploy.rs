@@ -2,7 +2,7 @@
 //! tests run): `docker-compose.yml` parses and has the services, health checks and
 //! settings the issue asks for, and every `CLICKAGG__…` variable in it and in the
 //! `Dockerfile` is accepted by the real settings loader, which rejects unknown keys.
-//! A setting renamed in `src/config.rs` therefore fails here, not in a user's stack.
+//! A setting renamed in `src/config/` therefore fails here, not in a user's stack.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

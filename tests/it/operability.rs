@@ -416,7 +416,7 @@ async fn rediss_with_a_private_ca_counts_exactly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn https_clickhouse_with_a_private_ca_and_a_password_counts_exactly() {
-    // ClickHouse 18.16: the current engine of the stack serves no HTTPS (README,
+    // ClickHouse 18.16: the current engine of the stack serves no HTTPS (guide,
     // "ClickHouse versions").
     let stack = PrivateStack::start_with("chs", &["clickhouse18"], &["CLICKHOUSE18_HTTPS_PORT"]).await;
     let mut env = TestEnv::with_stack("chhttps", &stack).await;

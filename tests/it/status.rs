@@ -36,7 +36,7 @@ fn f64_of(v: &Value) -> f64 {
 
 /// A member whose Redis the test can stop: the page shows its counters, partitions and
 /// rates as `/metrics` and `/status.json` report them, then the outage with its reason.
-/// Also takes the screenshot of the README (written to docs/status-page.png when
+/// Also takes the screenshot of the guide's status page (written to docs/status-page.png when
 /// `CLICKAGG_UPDATE_SCREENSHOT=1`, see scripts/status-screenshot).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_what_the_metrics_say_and_an_outage_with_its_reason() {

@@ -243,7 +243,7 @@ impl Outcome {
             .collect()
     }
 
-    /// A Markdown table, so a result can go into the README as it is.
+    /// A Markdown table, so a result can go into docs/BENCHMARKS.md as it is.
     pub fn table(&self) -> String {
         let mut s = String::new();
         let _ = writeln!(s, "| {:<36} | {:<60} |", "chaos run", "result");

@@ -290,8 +290,8 @@ impl TestEnv {
     /// restarted without persistence or a `FLUSHALL` would; returns how many keys there
     /// were. One transaction: deleted in chunks, a running member would claim between
     /// them against a cache that lost some chains but still has its namespace and
-    /// frontiers — a partial loss, which README ("Operations", Redis) says can count a
-    /// duplicate twice, not the loss these tests are about.
+    /// frontiers — a partial loss, which can count a duplicate twice (guide, "Deploying
+    /// as a consumer group", Redis), not the loss these tests are about.
     pub async fn delete_dedup_keys(&self) -> usize {
         let keys = self.dedup_keys().await;
         if keys.is_empty() {
@@ -321,7 +321,7 @@ impl TestEnv {
     /// named: the batches a re-read from `from` rewrites whole, so that only its rows
     /// decide them while the rows before `from` stay as the live run wrote them. The
     /// topic's seals go too: they were computed from the deleted rows (deleting minute
-    /// rows is outside what a seal's version follows; README, "Sealed hours").
+    /// rows is outside what a seal's version follows; guide, "Sealed hours").
     pub async fn empty_count_batches(&self, batches: &BTreeMap<i32, (i64, i64)>) {
         assert!(!batches.is_empty(), "no batches to empty");
         let any: Vec<String> = batches
