@@ -53,7 +53,8 @@ pub struct ReplayArgs {
     /// Rewrite the range so that its rows replace every row written before in its
     /// batches, the members' included: to repair a wrong past count (guide, "Repairing
     /// a range"). Whole batches only, each already committed by the group; `--to` is
-    /// rounded up to the end of its batch.
+    /// rounded up to the end of its batch (down, for a partition with no record at or
+    /// after it: the batch open at its log end is left to the members).
     #[arg(long)]
     pub supersede: bool,
 }
@@ -143,8 +144,13 @@ pub struct Plan {
     pub read: Ranges,
 }
 
-/// The offsets a replay counts, and each partition's log start, from the broker.
-pub fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Ranges, BTreeMap<i32, i64>)> {
+/// The partitions whose counted range ends at their log end because no record of theirs
+/// is stamped at or after `--to <time>`: everything they hold lies before it.
+pub type EndedBefore = std::collections::BTreeSet<i32>;
+
+/// The offsets a replay counts, each partition's log start, and the partitions with no
+/// record at or after `--to` (a time), from the broker.
+pub fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Ranges, BTreeMap<i32, i64>, EndedBefore)> {
     let consumer: BaseConsumer = source::lookup_consumer(&s.kafka)?;
     let topic = &s.kafka.topic;
     let timeout = Duration::from_secs(15);
@@ -170,28 +176,61 @@ pub fn counted_ranges(s: &Settings, from: &StartAt, to: StopAt) -> Result<(Range
         marks.insert(p, PartitionMarks { low, high, from, to: to_offsets.get(&p).copied().flatten() });
     }
     let counted = plan_ranges(s.batch_offsets(), &marks);
-    Ok((counted, marks.iter().map(|(&p, m)| (p, m.low)).collect()))
+    let ended = match to {
+        StopAt::Time(_) => marks.iter().filter(|(_, m)| m.to.is_none()).map(|(&p, _)| p).collect(),
+        StopAt::Latest => EndedBefore::new(),
+    };
+    Ok((counted, marks.iter().map(|(&p, m)| (p, m.low)).collect(), ended))
+}
+
+/// What a superseding replay rewrites.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Superseding {
+    /// The whole batches it rewrites, per partition `[start, end)`.
+    pub whole: Ranges,
+    /// Per partition with no record at or after `--to`, the part of its range in the batch
+    /// still open at its log end, `[start, log end)`: left as the members write it.
+    pub left_open: BTreeMap<i32, (i64, i64)>,
 }
 
 /// The whole batches a superseding replay rewrites: `counted` (which starts at batch
 /// boundaries) with each end rounded up to the end of its batch. Refused, naming the
 /// partition, when a batch is not yet committed by the group: a member still writing it
 /// would lose its later rows to the supersede's. Pure, so it is tested alone.
+///
+/// A partition of `ended` (no record at or after `--to`) is read to its log end, and
+/// everything it holds lies before `--to`. Its last batch is still open: the records
+/// that will fill it come after `--to`, and their member rows would lose to the
+/// supersede's, so that batch is left out (`left_open`) and its end rounded down instead:
+/// the batches before it are complete, and superseded once the group committed them.
+/// Rounded up, it was refused for as long as the partition stayed idle.
 pub fn supersede_ranges(
     n: BatchOffsets,
     counted: &Ranges,
     committed: &BTreeMap<i32, Option<i64>>,
-) -> std::result::Result<Ranges, String> {
+    ended: &EndedBefore,
+) -> std::result::Result<Superseding, String> {
     let n = n.get() as i64;
-    let mut whole = Ranges::default();
+    let mut out = Superseding::default();
     for (&p, &(start, end)) in &counted.partitions {
         if end <= start {
             continue;
         }
-        let end = (end + n - 1) / n * n;
+        let end = if ended.contains(&p) {
+            let whole = end / n * n;
+            if whole < end {
+                out.left_open.insert(p, (whole.max(start), end));
+            }
+            if whole <= start {
+                continue;
+            }
+            whole
+        } else {
+            (end + n - 1) / n * n
+        };
         match committed.get(&p).copied().flatten() {
             Some(c) if c >= end => {
-                whole.partitions.insert(p, (start, end));
+                out.whole.partitions.insert(p, (start, end));
             }
             c => {
                 let at = c.map_or("nothing committed".to_string(), |c| format!("committed up to {c}"));
@@ -203,7 +242,7 @@ pub fn supersede_ranges(
             }
         }
     }
-    Ok(whole)
+    Ok(out)
 }
 
 /// What a superseding replay did on top of a replay.
@@ -224,19 +263,28 @@ pub struct Summary {
     pub rows_written: u64,
     pub elapsed: Duration,
     pub superseded: Option<Superseded>,
+    /// Batches open at a partition's log end that a superseding replay left to the members
+    /// (`Superseding::left_open`).
+    pub left_open: BTreeMap<i32, (i64, i64)>,
 }
 
 impl Summary {
     pub fn report(&self) -> String {
         let secs = self.elapsed.as_secs_f64().max(1e-9);
         let s = &self.stats;
-        let superseded = self.superseded.map_or(String::new(), |x| {
+        let mut superseded = self.superseded.map_or(String::new(), |x| {
             format!(
                 "; superseded every earlier row of its batches (generation {}, {} buckets found empty and written \
                  as 0)",
                 x.generation, x.zeroed
             )
         });
+        for (p, (from, to)) in &self.left_open {
+            superseded += &format!(
+                "; partition {p} has no record at or after --to: offsets [{from}, {to}) lie in the batch still open at \
+                 its log end, left as the members write it (supersede again once that batch is complete)"
+            );
+        }
         format!(
             "replayed {} records in {:.1}s ({:.0} records/s): {} counted, {} duplicates ({} copies on other \
              partitions), {} invalid; {} rows written; {} records read before the range to rebuild dedup state{}",
@@ -278,14 +326,26 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
     )
     .await?;
     let settings = s.clone();
-    let (counted, lows) = tokio::task::spawn_blocking(move || counted_ranges(&settings, &from, to)).await??;
+    let (counted, lows, ended) = tokio::task::spawn_blocking(move || counted_ranges(&settings, &from, to)).await??;
+    let mut left_open = BTreeMap::new();
     let (counted, writer) = if args.supersede {
         let (k, group, topic) = (s.kafka.clone(), s.kafka.group.clone(), s.kafka.topic.clone());
         let offsets = tokio::task::spawn_blocking(move || crate::seal::due::group_offsets(&k, &group, &topic))
             .await?
             .context("reading the group's committed offsets")?;
         let committed = offsets.into_iter().map(|(p, (c, _, _))| (p, c)).collect();
-        let whole = supersede_ranges(s.batch_offsets(), &counted, &committed).map_err(anyhow::Error::msg)?;
+        let Superseding { whole, left_open: open } =
+            supersede_ranges(s.batch_offsets(), &counted, &committed, &ended).map_err(anyhow::Error::msg)?;
+        for (p, (from, to)) in &open {
+            tracing::warn!(
+                partition = p,
+                from,
+                to,
+                "no record at or after --to: these offsets lie in the batch still open at the partition's log end, \
+                 which is left as the members write it (its later records would lose their rows to the supersede's)"
+            );
+        }
+        left_open = open;
         let n = s.batch_offsets().get();
         let generation =
             crate::planner::until_done("reading the rows to supersede", s.pipeline.max_backoff, &shutdown, || async {
@@ -298,7 +358,7 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         (counted, Writer::Replay)
     };
 
-    let mut summary = Summary { ranges: counted.clone(), ..Summary::default() };
+    let mut summary = Summary { ranges: counted.clone(), left_open, ..Summary::default() };
     for (i, version) in history.versions.iter().enumerate() {
         let next = history.versions.get(i + 1);
         let from_of = |v: &crate::sink::RulesVersion, p: i32| {
@@ -499,6 +559,7 @@ async fn run_plan(
         rows_written: flusher.rows_flushed(),
         elapsed: Duration::ZERO,
         superseded: None,
+        left_open: BTreeMap::new(),
     })
 }
 
@@ -653,18 +714,46 @@ mod tests {
     fn a_supersede_rewrites_whole_batches_the_group_has_committed_and_nothing_else() {
         let counted = Ranges { partitions: BTreeMap::from([(0, (1000, 2450)), (1, (300, 300)), (2, (0, 500))]) };
         let committed = BTreeMap::from([(0, Some(2500)), (1, None), (2, Some(700))]);
-        let whole = supersede_ranges(n(100), &counted, &committed).unwrap();
+        let none_ended = EndedBefore::new();
+        let whole = supersede_ranges(n(100), &counted, &committed, &none_ended).unwrap();
         // The end is rounded up to its batch's end; an empty range is left out.
-        assert_eq!(whole.partitions, BTreeMap::from([(0, (1000, 2500)), (2, (0, 500))]));
+        assert_eq!(whole.whole.partitions, BTreeMap::from([(0, (1000, 2500)), (2, (0, 500))]));
+        assert!(whole.left_open.is_empty());
         // A batch the group is still in is refused, naming it.
         let behind = BTreeMap::from([(0, Some(2420)), (2, Some(700))]);
-        let why = supersede_ranges(n(100), &counted, &behind).unwrap_err();
+        let why = supersede_ranges(n(100), &counted, &behind, &none_ended).unwrap_err();
         assert!(
             why.contains("partition 0") && why.contains("[2400, 2500)") && why.contains("committed up to 2420"),
             "{why}"
         );
         let none = BTreeMap::from([(0, Some(2500)), (2, None)]);
-        assert!(supersede_ranges(n(100), &counted, &none).unwrap_err().contains("nothing committed"));
+        assert!(supersede_ranges(n(100), &counted, &none, &none_ended).unwrap_err().contains("nothing committed"));
+    }
+
+    // Issue 35, defect 6: `--to T` where a partition got no record after T (idle since):
+    // its range ends at its log end, 2450, inside a batch no record will fill before
+    // traffic resumes. Rounded up to 2500, it was refused ("not finished by the group
+    // (committed up to 2450)") however long one waited. Its complete batches are
+    // superseded; the open one is left to the members, whose rows for the records that
+    // will fill it must not lose to the supersede's.
+    #[test]
+    fn a_partition_with_no_record_after_to_is_superseded_up_to_its_last_complete_batch() {
+        // Partition 0 idle since T; partition 1 has records after T (its range ends at the
+        // first, 730); partition 2 idle since T within its first batch.
+        let counted = Ranges { partitions: BTreeMap::from([(0, (0, 2450)), (1, (0, 730)), (2, (0, 40))]) };
+        let committed = BTreeMap::from([(0, Some(2450)), (1, Some(800)), (2, Some(40))]);
+        let ended = EndedBefore::from([0, 2]);
+        let s = supersede_ranges(n(100), &counted, &committed, &ended).unwrap();
+        assert_eq!(s.whole.partitions, BTreeMap::from([(0, (0, 2400)), (1, (0, 800))]));
+        assert_eq!(s.left_open, BTreeMap::from([(0, (2400, 2450)), (2, (0, 40))]));
+        // Its complete batches must still be committed by the group: otherwise waiting helps.
+        let behind = BTreeMap::from([(0, Some(2350)), (1, Some(800)), (2, Some(40))]);
+        let why = supersede_ranges(n(100), &counted, &behind, &ended).unwrap_err();
+        assert!(why.contains("partition 0") && why.contains("[2300, 2400)"), "{why}");
+        // A log end on a batch boundary leaves nothing open.
+        let even = Ranges { partitions: BTreeMap::from([(0, (0, 2400))]) };
+        let s = supersede_ranges(n(100), &even, &committed, &ended).unwrap();
+        assert_eq!((s.whole.partitions, s.left_open), (BTreeMap::from([(0, (0, 2400))]), BTreeMap::new()));
     }
 
     /// One new click of ad 1 in the same minute at every offset of `offsets`.

@@ -589,3 +589,103 @@ async fn a_supersede_stopped_by_sigterm_leaves_no_count_short_and_adjusts_no_clo
     assert!(ads.values().all(|&(closed, adjusted, current)| adjusted == 0 && closed == Some(current)), "{ads:?}");
     assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
 }
+
+/// Issue 35, defect 6: `replay --supersede --to T` over a partition that got no record
+/// after `T` (idle since, its log ending inside a batch). Its range ends at its log end,
+/// and the end rounded up to the end of that batch was never committed by the group:
+/// refused ("not finished by the group") for as long as the partition stayed idle,
+/// waiting did not help. Now its complete batches are superseded (a wrong row in one is
+/// repaired), and the batch open at its log end is named and left to the members.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supersede_to_a_time_a_partition_got_no_record_after_rewrites_its_complete_batches() {
+    let env = TestEnv::new("supersedeidle").await;
+    let n = env.batch_offsets;
+    let day = day_before_today(2);
+    let spec = Spec {
+        count: 12_000,
+        seed: 67,
+        ads: 100,
+        start_ms: i64::from(day + 9 * 3600) * 1000,
+        span: Duration::from_secs(3 * 3600),
+        ..Spec::default()
+    };
+    let (records, mut truth) = produce::plan(&spec);
+    env.send(&records, 4, None).await;
+    // The partition that gets nothing after that day: one whose log ends inside a batch.
+    let ends = env.high_watermarks().await;
+    let (&idle, &idle_end) =
+        ends.iter().find(|(_, &h)| h % n as i64 != 0 && h > n as i64).expect("a log end past a batch, inside one");
+    // Today's clicks on the other partitions (each key on one of them, so that a retry
+    // stays with its click), over more than a batch each: their batches of that day are
+    // finished and committed.
+    let others: Vec<i32> = ends.keys().copied().filter(|&p| p != idle).collect();
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let today = Spec { count: 3 * 4 * n, seed: 68, ads: 100, start_ms: now_ms - 3_600_000, ..Spec::default() };
+    let (after, after_truth) = produce::plan(&today);
+    let after: Vec<Planned> = after
+        .into_iter()
+        .map(|r| {
+            let h = r.key.bytes().fold(0u64, |h, b| h.wrapping_mul(31).wrapping_add(u64::from(b)));
+            Planned { partition: Some(others[(h % others.len() as u64) as usize]), ..r }
+        })
+        .collect();
+    for (k, c) in after_truth.counts {
+        *truth.counts.entry(k).or_default() += c;
+    }
+    env.send(&after, 4, None).await;
+    let mut member = env.spawn_member("m");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let ends_now = env.high_watermarks().await;
+    assert_eq!(ends_now[&idle], idle_end, "partition {idle} got nothing after that day");
+    env.wait_committed("every partition committed to its end", &ends_now, CONVERGE).await;
+
+    // A wrong row in the idle partition's first batch, as a past flush that miscounted
+    // would have left it.
+    let written: Vec<StoredRow> = env
+        .sink()
+        .client()
+        .query(
+            "SELECT ad_id, toUInt32(minute) AS minute, partition, batch_start, argMax(clicks, version) AS last_clicks, \
+             max(version) AS last_version FROM ad_clicks_minute WHERE topic = ? AND partition = ? AND batch_start = 0 \
+             GROUP BY ad_id, minute, partition, batch_start ORDER BY last_clicks DESC LIMIT 1",
+        )
+        .bind(&env.topic)
+        .bind(idle as u32)
+        .fetch_all()
+        .await
+        .unwrap();
+    assert_eq!(written.len(), 1, "a row of partition {idle}'s first batch");
+    let wrong = StoredRow { clicks: written[0].clicks + 3, version: 2 * (n - 1) + 1, ..written[0] };
+    write_wrong_rows(&env, &[wrong]).await;
+    assert!(!clickagg::verify::diff(&truth.counts, &env.billing().await).is_exact(), "the wrong row shows");
+
+    // Superseding that day: its complete batches rewritten on every partition, the wrong
+    // row repaired; the idle partition's open batch named and left as the members wrote it.
+    let out = supersede(&env, "supersede-idle", &rfc3339(day + DAY)).await;
+    assert!(out.contains("superseded every earlier row of its batches (generation 1"), "{out}");
+    let open_from = idle_end - idle_end % n as i64;
+    assert!(
+        out.contains(&format!("partition {idle} has no record at or after --to: offsets [{open_from}, {idle_end})")),
+        "{out}"
+    );
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    // Its complete batches carry the supersede's generation; the open one does not.
+    let generations: Vec<(u64, u64)> = env
+        .sink()
+        .client()
+        .query(
+            "SELECT batch_start, max(version) FROM ad_clicks_minute WHERE topic = ? AND partition = ? \
+             GROUP BY batch_start ORDER BY batch_start",
+        )
+        .bind(&env.topic)
+        .bind(idle as u32)
+        .fetch_all()
+        .await
+        .unwrap();
+    for (start, version) in generations {
+        let generation = clickagg::sink::generation_of(version, start, n);
+        let want = u64::from((start as i64) < open_from);
+        assert_eq!(generation, want, "partition {idle}, batch {start}: version {version}");
+    }
+    assert_eq!(member.terminate(Duration::from_secs(30)).await, 0);
+}
