@@ -1158,3 +1158,44 @@ fn a_zombie_commits_decisions_made_in_a_lost_cache_beside_the_new_owner() {
     assert!(run.finish(true));
     assert_eq!(run.check_strictly(), Vec::<String>::new());
 }
+
+// Regression (issue 35, defect 1; liveness): guards that a member notices when the
+// namespace it decides in no longer knows a partition it reads through the cache. A
+// partition without a frontier is "not ready" (claim.lua `blocked_for`): every fresh
+// sighting of every other partition waits for it. Only `restart` (when a reader is
+// planned) or an applied claim or mark of that partition writes the frontier back; and
+// a member noticed a loss only for partitions whose frontier it had seen acknowledged
+// (`expect`). When the frontiers were lost after the restarts of a start-over and
+// before any claim (a key deletion that ran on while the member rebuilt; a failover that
+// lost the restarts), at the log start (a young topic: every partition counts from
+// offset 0, no warm-up) every claim of every partition was a fresh sighting that waited:
+// nothing was ever applied or acknowledged, and every partition was rewound to offset 0
+// for ever ("waiting for other partitions' dedup state to be rebuilt from the log",
+// from=0). Past the log start, the warm-up claims (which never wait) wrote the frontiers
+// back. Now every claim call names the partitions its batch reads through the cache,
+// and a key group that holds no frontier for one of them answers lost.
+#[test]
+fn a_restart_lost_before_any_claim_at_the_log_start_keeps_every_partition_waiting() {
+    // Batches of 100: every partition's committed offset lies in its first batch.
+    let p0 = records(&[(0, Some(7)), (1, Some(8)), (2, Some(9)), (3, Some(10))]);
+    let p1 = records(&[(0, Some(17)), (1, Some(18)), (2, Some(19)), (3, Some(20))]);
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], Vec::new()), 100);
+    // A member counts and commits two records of each partition.
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 2, then: Some((1, 2)), cut: true });
+    run.op(&Op::Flush { m: 0, crash_after: None });
+    // The cache is lost; the member's idle check notices, and it starts over in a new
+    // namespace, restarting both partitions at offset 0.
+    run.op(&Op::Wipe);
+    run.op(&Op::Idle { m: 0 });
+    // Before it claims anything there, that namespace loses its frontiers.
+    run.w.redis.lose_frontiers();
+    for _ in 0..10 {
+        run.op(&Op::Read { m: 0, p: 0, k: 1, then: None, cut: true });
+        run.op(&Op::Read { m: 0, p: 1, k: 1, then: None, cut: true });
+    }
+    let member = &run.members[0];
+    assert!(member.caught_up(&run.w), "stuck: {}", member.describe(&run.w));
+    assert!(run.finish(true));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+}

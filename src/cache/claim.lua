@@ -231,9 +231,12 @@ end
 --   is no click) and that record's
 --   time. The frontier of a marked partition moves to its mark (for one with a claim
 --   that waited in this call: to just before that claim); the claims of this call
---   lie at or below it. ARGV[6] = what the caller saw acknowledged before, packed
---   '>HI6': a partition and the frontier it reached; a frontier behind that (or
---   missing) means the group lost writes (a failover to a replica that lacked them).
+--   lie at or below it. ARGV[6] = what the caller relies on the group holding, packed
+--   '>HI6': a partition and one past the highest offset of it the caller saw
+--   acknowledged (0 for a partition it reads through the cache but saw nothing of
+--   acknowledged yet: its frontier must exist, written by the `restart` that planned
+--   its reader); a frontier behind that, or missing, means the group lost writes (a
+--   failover to a replica that lacked them, keys deleted while the member rebuilt).
 --   ARGV[7] = the topic's partition count: a fresh sighting is decided only while every
 --   other partition is ready.
 --   ARGV[8] = where the caller's previous call left each partition of this one, packed
@@ -293,9 +296,9 @@ local function claim(keys, args)
   end
   local expect = args[6] or ''
   for j = 1, #expect, EXPECT_SIZE do
-    local p, seen = unpack_(EXPECT, expect, j)
+    local p, need = unpack_(EXPECT, expect, j)
     local v = call('HGET', fkey, p)
-    if not v or unpack_(FRONTIER, v) - 1 < seen then return lost('frontier', tostring(p)) end
+    if not v or unpack_(FRONTIER, v) < need then return lost('frontier', tostring(p)) end
   end
   local total = tonumber(args[7]) or 0
   local unready = nil

@@ -173,18 +173,33 @@ impl SharedCache {
             prev_blob.extend_from_slice(&(p as u16).to_be_bytes());
             prev_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
         }
-        // What this handle saw acknowledged in each group: of the batch's partitions, or
-        // of all it claimed for when this is an idle check.
+        // What this handle relies on each group holding (`claim.lua`, ARGV[6]: one past
+        // the highest offset acknowledged): of the batch's partitions, or of all it
+        // claimed for when this is an idle check. A partition the batch reads through
+        // the cache (`reached`) and nothing of which was acknowledged yet still needs
+        // its frontier: the restart that planned its reader wrote it in every group, and
+        // a group without it lost that write. Without this, a loss between the restarts
+        // and the first acknowledged claim went unnoticed, and left every partition
+        // waiting for the others for ever where no reader had a warm-up to claim.
         let ns = self.namespace();
         if self.acked.0 != ns {
             self.acked = (ns, BTreeMap::new());
         }
-        let mut expect = vec![Vec::new(); self.groups as usize];
+        let mut need: BTreeMap<(u32, i32), i64> = BTreeMap::new();
         for (&(g, p), &o) in &self.acked.1 {
             if (marks.is_empty() || marks.contains_key(&p)) && g < self.groups {
-                expect[g as usize].extend_from_slice(&(p as u16).to_be_bytes());
-                expect[g as usize].extend_from_slice(&(o as u64).to_be_bytes()[2..]);
+                need.insert((g, p), o + 1);
             }
+        }
+        for s in reached {
+            for g in 0..self.groups {
+                need.entry((g, s.partition)).or_insert(0);
+            }
+        }
+        let mut expect = vec![Vec::new(); self.groups as usize];
+        for (&(g, p), &n) in &need {
+            expect[g as usize].extend_from_slice(&(p as u16).to_be_bytes());
+            expect[g as usize].extend_from_slice(&(n as u64).to_be_bytes()[2..]);
         }
         let calls: Vec<redis::Cmd> = (0..self.groups)
             .map(|g| self.claim_call(g, &by_group[g as usize], claims, &mark_blob, &expect[g as usize], &prev_blob))
@@ -456,5 +471,68 @@ impl SharedCache {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Settings;
+
+    /// A member's handle in namespace `n` (no Redis is reached: the calls are only built).
+    fn cache() -> SharedCache {
+        let s = Settings::default();
+        let cache = SharedCache::connect(&s.redis, &s.rules(), "clicks").unwrap();
+        *cache.namespace.lock().unwrap() = Some("n".into());
+        cache
+    }
+
+    /// ARGV[6] of a claim call (`claim.lua`): (partition, the frontier it must have reached).
+    fn expected(cmd: &redis::Cmd) -> Vec<(u16, u64)> {
+        let args: Vec<Vec<u8>> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b.to_vec(),
+                _ => Vec::new(),
+            })
+            .collect();
+        // ... ARGV[5] marks, ARGV[6] expect, ARGV[7] partition count, ARGV[8] prev.
+        let blob = &args[args.len() - 3];
+        blob.chunks(8)
+            .map(|c| {
+                let mut o = [0u8; 8];
+                o[2..].copy_from_slice(&c[2..]);
+                (u16::from_be_bytes([c[0], c[1]]), u64::from_be_bytes(o))
+            })
+            .collect()
+    }
+
+    // Issue 35, defect 1: a partition a poll batch reads through the cache must still have
+    // its frontier, also before anything of it was acknowledged (right after the restart
+    // that planned its reader): a group without it lost writes, and the call answers lost
+    // instead of leaving the partition "not ready" with nobody to rebuild it.
+    #[tokio::test]
+    async fn a_partition_read_through_the_cache_must_keep_its_frontier_before_anything_is_acknowledged() {
+        let mut c = cache();
+        let reached = [Sighting::at(3, 41, 1_000)];
+        let claims = [Claim {
+            fingerprint: crate::dedup::Fingerprint(7),
+            sighting: Sighting::at(3, 40, 1_000),
+            mode: Default::default(),
+        }];
+        let calls = c.claim_calls(&claims, &reached, &BTreeMap::new()).await.unwrap();
+        assert_eq!(expected(&calls.calls[0]), vec![(3, 0)], "its frontier must exist");
+        // Once acknowledged, one past the highest offset acknowledged.
+        c.acked.1.insert((0, 3), 41);
+        let calls = c.claim_calls(&claims, &reached, &BTreeMap::new()).await.unwrap();
+        assert_eq!(expected(&calls.calls[0]), vec![(3, 42)]);
+        // An idle check relies on every partition acknowledged; claims that name no
+        // partition read through the cache (a private reader's, the benchmark's) on none
+        // acknowledged.
+        c.acked.1.clear();
+        let idle = c.claim_calls(&[], &[], &BTreeMap::new()).await.unwrap();
+        assert_eq!(expected(&idle.calls[0]), vec![]);
+        let bare = c.claim_calls(&claims, &[], &BTreeMap::new()).await.unwrap();
+        assert_eq!(expected(&bare.calls[0]), vec![]);
     }
 }

@@ -116,6 +116,19 @@ impl Redis {
         self.touched(g);
     }
 
+    /// A partial loss: every key group loses the frontier hash of the namespace it holds,
+    /// and keeps everything else, the key `ns` included (a key-by-key deletion that ran on
+    /// while the members rebuilt, its `SCAN` meeting the new namespace's keys; a failover
+    /// to a replica that lacks the `restart` calls).
+    pub fn lose_frontiers(&mut self) {
+        for g in 0..GROUPS {
+            if let Some(ns) = self.groups[g].ns {
+                self.groups[g].space(ns).frontier.clear();
+            }
+            self.touched(g);
+        }
+    }
+
     /// A failover to a replica that lacks the last claim call's writes: the group is as
     /// before that call. Returns who made the call.
     pub fn lose_last_call(&mut self, g: usize) -> Option<u64> {
@@ -220,8 +233,9 @@ impl Redis {
         }
     }
 
-    /// `claim.lua`'s `claim` in group `g`, made by process `caller`. `expect`: what the
-    /// caller saw acknowledged; `marks`: the batch's highest offset per partition and its
+    /// `claim.lua`'s `claim` in group `g`, made by process `caller`. `expect`: per
+    /// partition, the highest offset the caller saw acknowledged (-1: nothing yet, but its
+    /// frontier must exist; `claim.lua` takes one past it); `marks`: the batch's highest offset per partition and its
     /// record time; `total`: the topic's partition count.
     #[allow(clippy::too_many_arguments)]
     pub fn claim(

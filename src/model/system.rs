@@ -830,15 +830,22 @@ impl Member {
         if self.acked.0 != self.ns {
             self.acked = (self.ns, BTreeMap::new());
         }
-        // Per group, what was acknowledged there.
+        // Per group, what was acknowledged there; and, for a partition read through the
+        // cache with nothing acknowledged yet, that its frontier exists (-1: the restart
+        // that planned its reader wrote it).
         let expect: Vec<BTreeMap<i32, i64>> = (0..GROUPS)
             .map(|g| {
-                self.acked
+                let mut e: BTreeMap<i32, i64> = self
+                    .acked
                     .1
                     .iter()
                     .filter(|(&(h, p), _)| h == g && (marks.is_empty() || marks.contains_key(&p)))
                     .map(|(&(_, p), &o)| (p, o))
-                    .collect()
+                    .collect();
+                for s in reached {
+                    e.entry(s.partition).or_insert(-1);
+                }
+                e
             })
             .collect();
         // Every group's call is sent (a pipeline); the first lost answer, in group order,

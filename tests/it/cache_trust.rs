@@ -100,6 +100,57 @@ async fn a_rebalance_planned_across_a_redis_restarted_empty_counts_exactly() {
     assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
 }
 
+/// Issue 35, defect 1: a cache lost while every partition's restart point is the log
+/// start (a young topic: fewer records per partition than `pipeline.batch_offsets`, so no
+/// reader has a warm-up) counts again once the cache is rebuilt.
+///
+/// The loss runs on over the namespace the members move to: its frontier hash goes after
+/// the first member planned its partitions there and before anything of them was
+/// acknowledged, as a key-by-key deletion (`redis-cli --scan | xargs redis-cli del`)
+/// leaves it when its `SCAN` meets the keys created meanwhile after it passed the key
+/// `ns`, or a failover that lost the `restart` calls. The other member is frozen
+/// meanwhile (well within its session), so that the first one's claims wait and
+/// acknowledge nothing. Every partition was "not ready" then for good: every claim of
+/// every partition was a fresh sighting that waited, so none was applied, and nothing
+/// the members had seen acknowledged was missing. Every partition logged "waiting for
+/// other partitions' dedup state to be rebuilt from the log" with `from=0` until the
+/// members stopped, the clicks after the loss uncounted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cache_lost_while_every_partition_restarts_at_the_log_start_counts_again() {
+    let mut env = TestEnv::new("loststart").await;
+    env.batch_offsets = 10_000;
+    // No rejected records: a first record that is no click would acknowledge its
+    // partition's frontier, which the members then check.
+    let (records, truth) = env.plan(Spec { malformed_ratio: 0.0, ..retries_and_copies(16_000, 165) });
+    let producer = env.spawn_producer(&records, 4, 1_000);
+    let mut a = env.spawn_member("a");
+    let mut b = env.spawn_member("b");
+    for m in [&a, &b] {
+        wait_until("partitions on both members", Duration::from_secs(120), || async {
+            let n = m.metric("clickagg_assigned_partitions", &[]).await;
+            if n > 0.0 {
+                Ok(())
+            } else {
+                Err(format!("{n} assigned"))
+            }
+        })
+        .await;
+        consumed_at_least(m, 1_000).await;
+    }
+    b.signal(libc::SIGSTOP);
+    let from = a.lines().len();
+    assert!(env.delete_dedup_keys().await > 0, "the members kept dedup state in Redis");
+    // `a` moves to a new namespace and plans its partitions there from offset 0; their new
+    // clicks wait for `b`'s, which nobody planned there yet.
+    a.wait_for_line("sightings wait for other partitions' state", from, Duration::from_secs(60)).await;
+    assert!(env.delete_dedup_frontiers().await > 0, "the new namespace has its frontiers");
+    b.signal(libc::SIGCONT);
+    producer.finished().await;
+    env.assert_counts_converge(&truth.counts, CONVERGE).await;
+    assert_eq!(a.terminate(Duration::from_secs(30)).await, 0);
+    assert_eq!(b.terminate(Duration::from_secs(30)).await, 0);
+}
+
 /// The first half of a generated topic counted live under the default settings, then the
 /// second half (whose retries repeat clicks of the first) produced while no member runs.
 async fn half_counted(name: &str, seed: u64) -> (TestEnv, BTreeMap<BucketKey, u64>) {
@@ -401,6 +452,18 @@ impl TestEnv {
         })
         .await
         .unwrap()
+    }
+
+    /// Deletes the frontier hashes of this test's cache and nothing else: the key `ns`
+    /// and the entries stay (`a_cache_lost_while_every_partition_restarts_at_the_log_start_counts_again`).
+    /// Returns how many there were.
+    pub async fn delete_dedup_frontiers(&self) -> usize {
+        let keys: Vec<String> = self.dedup_keys().await.into_iter().filter(|k| k.ends_with(":frontier")).collect();
+        if !keys.is_empty() {
+            let mut conn = self.redis().await;
+            let _: () = redis::cmd("UNLINK").arg(&keys).query_async(&mut conn).await.expect("UNLINK");
+        }
+        keys.len()
     }
 
     /// Dedup entries held in Redis for this test's topic (fields of its shard hashes).

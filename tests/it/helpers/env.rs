@@ -382,7 +382,7 @@ impl TestEnv {
     /// boundary it starts at to the log end (a replay reads to the end).
     pub async fn replayed_batches(&self, from: &str) -> BTreeMap<i32, (i64, i64)> {
         let (settings, from) = (self.settings(), from.parse::<StartAt>().expect("a --from of replay"));
-        let (counted, _) =
+        let (counted, _, _) =
             tokio::task::spawn_blocking(move || clickagg::replay::counted_ranges(&settings, &from, StopAt::Latest))
                 .await
                 .unwrap()
