@@ -629,7 +629,7 @@ fn any_interleaving_gives_the_rows_the_definition_gives() {
 fn records(v: &[(u32, Option<u32>)]) -> Vec<oracle::Record> {
     v.iter()
         .map(|&(ts, id)| oracle::Record {
-            ts: Some(log::T0 + ts),
+            ts: Some(u64::from(log::T0 + ts)),
             click: id.map(|id| oracle::ClickOf { id, ad: 0, minute: log::T0 - log::T0 % 60 }),
         })
         .collect()
@@ -1198,4 +1198,105 @@ fn a_restart_lost_before_any_claim_at_the_log_start_keeps_every_partition_waitin
     assert!(member.caught_up(&run.w), "stuck: {}", member.describe(&run.w));
     assert!(run.finish(true));
     assert_eq!(run.check_strictly(), Vec::<String>::new());
+}
+
+// Regression (issue 35, defect 2; found on real services: 583 clicks of 54 850 counted
+// twice): guards that a partition's first record cannot move its clock alone. The first
+// timestamped record of a partition started its clock, so a junk record stamped days
+// ahead (on a topic that accepts any CreateTime) put every later record of the partition
+// at its time: no copy on another partition was within the window of them, and both
+// copies counted. Now a first record starts the clock only with the next record stamped
+// within an hour of it (README, "What counts"), like any jump.
+#[test]
+fn a_partitions_first_record_stamped_far_ahead_moves_its_clock_for_every_later_record() {
+    // Partition 0: a rejected record stamped days ahead, then a copy of click 1000 and
+    // click 8; partition 1: the other copy of click 1000 and click 9. Batches of 2.
+    let p0 = records(&[(FAR, None), (0, Some(1_000)), (1, Some(8))]);
+    let p1 = records(&[(1, Some(1_000)), (2, Some(9))]);
+    let cross = vec![CrossClick { id: 1_000, ad: 0, minute: log::T0 - log::T0 % 60, copies: vec![(0, 1), (1, 0)] }];
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], cross), 2);
+    assert_eq!(run.w.log.cross.len(), 1, "by the definition the copies lie a second apart");
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 3, then: Some((1, 2)), cut: true });
+    run.op(&Op::Flush { m: 0, crash_after: None });
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+    assert_eq!(run.w.billing(Grain::Minute), BTreeMap::from([((0, log::T0 - log::T0 % 60), 3)]));
+}
+
+// Guards the other half of the fix for issue 35, defect 2: a partition's first click is
+// judged ahead of no clock (its reach is 0) until the next record confirms it, so the
+// sweeper, whose cutoff is past 0, deleted it when it walked before that record came
+// (a live partition at its log end gives no hold); the confirmation then found nothing,
+// and a retry of the first click counted again. Now the sweeper keeps such an item while
+// the partition has no clock in the cache's frontier.
+#[test]
+fn a_sweep_between_a_partitions_first_two_records_forgets_its_first_click() {
+    // Click 7, its retry a second later, then click 8. Batches of 4.
+    let log = records(&[(0, Some(7)), (1, Some(7)), (2, Some(8))]);
+    let mut run = Run::new(Log::from_parts(vec![log, Vec::new()], Vec::new()), 4);
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 1, then: None, cut: false });
+    // Offset 0 is the log end when the sweeper walks, 5 s later (window 10 + lag 20).
+    run.w.wall += 5;
+    run.members[0].sweep_at_log_end(&mut run.w);
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+}
+
+// Issue 35, defect 4 (found by reading `claim.lua`): guards that the sweeper forgets a
+// chain `window + max_record_lag` after its *last* sighting. A chain that continues a
+// sighting judged ahead — here the partition's first click, judged ahead of no clock and
+// confirmed by the next record — starts with a duplicate, and `claim.lua` stored its
+// reach at that first retry and swept it by that: a click retried longer than the window
+// and the lag, each retry within the window of the one before, counted again. The model
+// runs the Rust copy (`Chain::kept_by_sweep`), which keeps it by its latest sighting; the
+// differential test `dedup_cache::the_redis_function_sweeps_as_the_rust_model_does`
+// holds `claim.lua` to it.
+#[test]
+fn a_click_retried_past_the_window_and_lag_stays_a_duplicate_across_sweeps() {
+    // Click 7, click 8 (which starts the clock and confirms 7), then 7 again every 7 s
+    // (window 10) for 70 s, more than window + lag (30 s). Batches of 4.
+    let mut v = vec![(0, Some(7)), (0, Some(8))];
+    v.extend((0..10).map(|i| (5 + 7 * i, Some(7))));
+    let mut run = Run::new(Log::from_parts(vec![records(&v), Vec::new()], Vec::new()), 4);
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 2, then: None, cut: false });
+    // The member reads each retry 2 s after it was sent, and its sweeper walks before.
+    for _ in 0..10 {
+        run.op(&Op::Sweep { dt: 7, m: 0 });
+        run.op(&Op::Read { m: 0, p: 0, k: 1, then: None, cut: false });
+    }
+    // It flushes what it decided and stops.
+    assert!(run.finish(true));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+    assert_eq!(run.w.billing(Grain::Minute), BTreeMap::from([((0, log::T0 - log::T0 % 60), 2)]));
+}
+
+// Regression (issue 35, defect 5): guards that a record stamped past 2106 moves no
+// clock. A Kafka timestamp of more seconds than 32 bits hold was clamped to the last one
+// (`clock::secs_of_millis`), so any two such records — a year apart or a century — were
+// "stamped alike far ahead" and moved the partition's clock to 2106-02-07 for good:
+// every later repeat of an ID in the partition a duplicate, every copy on another
+// partition out of the window, every key sighted there never swept. Now such a timestamp
+// is no timestamp: the record leaves the clock where it is and is judged at it.
+#[test]
+fn two_records_stamped_past_2106_move_the_clock_to_2106_for_good() {
+    // Partition 0: click 8, click 9, two rejected records stamped past 2106 a year
+    // apart, a copy of click 1000, click 8 again 3 s and 15 s after the first; partition
+    // 1: the other copy of click 1000 and click 10. Batches of 4.
+    let beyond = |years: u64| oracle::Record { ts: Some(u64::from(u32::MAX) + 1 + years * 365 * 86_400), click: None };
+    let mut p0 = records(&[(0, Some(8)), (1, Some(9)), (2, Some(1_000)), (3, Some(8)), (15, Some(8))]);
+    p0.splice(2..2, [beyond(0), beyond(1)]);
+    let p1 = records(&[(2, Some(1_000)), (3, Some(10))]);
+    let cross = vec![CrossClick { id: 1_000, ad: 0, minute: log::T0 - log::T0 % 60, copies: vec![(0, 4), (1, 0)] }];
+    let mut run = Run::new(Log::from_parts(vec![p0, p1], cross), 4);
+    assert_eq!(run.w.log.cross.len(), 1, "by the definition the copies lie within the window");
+    run.op(&Op::Join { parts: 3, handover: Handover::Graceful });
+    run.op(&Op::Read { m: 0, p: 0, k: 7, then: Some((1, 2)), cut: true });
+    run.op(&Op::Flush { m: 0, crash_after: None });
+    assert!(run.finish(false));
+    assert_eq!(run.check_strictly(), Vec::<String>::new());
+    // 8 (twice: 15 s apart), 9, 1000 once, 10.
+    assert_eq!(run.w.billing(Grain::Minute), BTreeMap::from([((0, log::T0 - log::T0 % 60), 5)]));
 }

@@ -21,7 +21,11 @@
 --                  flags byte (bits 0-1: its start counted 0, was a cross-partition
 --                  copy 1, or a duplicate 2; bit 2: a sighting judged ahead of its
 --                  partition's clock) and a reach: the partition clock it matters
---                  within a window of (decide.rs, `Chain`). Partitions below 16 384.
+--                  within a window of (decide.rs, `Chain::reach`) — for a sighting
+--                  judged ahead, the clock it was read at or confirmed to; for a chain
+--                  (a 17-byte one starts with a duplicate: it continues a sighting
+--                  judged ahead), its latest sighting, like a 12-byte chain's. The
+--                  sweeper keeps an item by its reach. Partitions below 16 384.
 --   frontier       field = partition, value = '>I6I4I6': one past the highest offset of
 --                  that partition claimed through this group (0: none yet), the record
 --                  time there, and the offset
@@ -56,7 +60,11 @@ local LONG_BIT = 16384
 -- An item's start: what its first sighting was.
 local COUNTS, CROSS, DUP = 0, 1, 2
 
--- Items as tables: p, counted, first, seen, start, ahead (boolean), reach.
+-- Items as tables: p, counted, first, seen, start, ahead (boolean), reach. A chain's
+-- reach is its latest sighting, whatever its bytes say: every sighting extends it
+-- (`decide` moves `seen` only), and the sweeper must forget it `W + max_record_lag`
+-- after the last one, not the first (issue 35: a click retried for longer than that
+-- counted again).
 local function chains_of(v)
   local chains = {}
   if v then
@@ -66,8 +74,9 @@ local function chains_of(v)
       local c
       if pc % COUNTED >= LONG_BIT then
         local _, flags, first, seen, reach = struct.unpack(LONG, v, j)
+        local ahead = flags >= 4
         c = {p = pc % LONG_BIT, counted = pc >= COUNTED, first = first, seen = seen,
-             start = flags % 4, ahead = flags >= 4, reach = reach}
+             start = flags % 4, ahead = ahead, reach = ahead and reach or seen}
         j = j + LONG_SIZE
       else
         local _, first, seen = struct.unpack(CHAIN, v, j)
@@ -92,7 +101,7 @@ local function pack(chains)
     else
       local flags = c.start
       if c.ahead then flags = flags + 4 end
-      parts[j] = struct.pack(LONG, pc + LONG_BIT, flags, c.first, c.seen, c.reach)
+      parts[j] = struct.pack(LONG, pc + LONG_BIT, flags, c.first, c.seen, c.ahead and c.reach or c.seen)
     end
   end
   return table.concat(parts)
@@ -432,21 +441,40 @@ local function claim(keys, args)
   return {'OK', table.concat(out), named, table.concat(refused, ',')}
 end
 
--- KEYS = shard hashes of one group; ARGV[1] = cutoff (s). Drops the items whose reach
--- lies before the cutoff (a chain's latest sighting; for a sighting judged ahead, the
--- clock it was read at or confirmed to: no reader can need them, see
--- `SharedCache::sweep`), and entries left with none; returns how many items went.
+-- KEYS[1] = the group's frontier hash, KEYS[2 ..] = shard hashes of the group;
+-- ARGV[1] = cutoff (s). Drops the items whose reach lies before the cutoff (a chain's
+-- latest sighting, whether it starts with a count, a copy or a duplicate; for a
+-- sighting judged ahead, the clock it was read at or confirmed to: no reader can need
+-- them, see `SharedCache::sweep`), and entries left with none;
+-- returns how many items went. A sighting judged ahead of no clock (reach 0: its
+-- partition's first timestamped records) stays while the partition's frontier has no
+-- clock: the record that may confirm it is still to come (decide.rs,
+-- `Chain::kept_by_sweep`).
 local function sweep(keys, args)
   local cutoff = tonumber(args[1])
   local removed = 0
-  for _, key in ipairs(keys) do
+  local clocks = nil   -- partition -> record time at its frontier, read once if needed
+  local function unclocked(p)
+    if clocks == nil then
+      clocks = {}
+      local all = redis.call('HGETALL', keys[1])
+      for j = 1, #all, 2 do
+        local _, clock = struct.unpack(FRONTIER, all[j + 1])
+        clocks[tonumber(all[j])] = clock
+      end
+    end
+    local clock = clocks[p]
+    return clock == nil or clock == 0
+  end
+  for k = 2, #keys do
+    local key = keys[k]
     local all = redis.call('HGETALL', key)
     local gone = {}
     for j = 1, #all, 2 do
       local chains = chains_of(all[j + 1])
       local kept = {}
       for _, c in ipairs(chains) do
-        if c.reach >= cutoff then kept[#kept + 1] = c end
+        if c.reach >= cutoff or (c.ahead and c.reach == 0 and unclocked(c.p)) then kept[#kept + 1] = c end
       end
       if #kept < #chains then
         removed = removed + #chains - #kept

@@ -24,7 +24,9 @@ const CLAIM_LUA: &str = include_str!("claim.lua");
 /// from) a namespace written under this one; it moves the cache to a namespace of its
 /// own, warmed up from the log, and a member of the other version meeting it stops.
 /// `f2`: items judged ahead of their partition's clock (claim.lua's 17-byte items).
-const CACHE_FORMAT: &str = "f2";
+/// `f3`: a partition's first records judged ahead of no clock (reach 0), kept by the
+/// sweeper until the partition has one (issue 35): the same bytes, decided otherwise.
+const CACHE_FORMAT: &str = "f3";
 
 /// The function library's version: a hash of its source, so two clickagg versions with
 /// different code never call each other's functions.

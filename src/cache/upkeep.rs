@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use super::error::DedupError;
 use super::shared::SharedCache;
-use crate::dedup::{Pin, Secs};
+use crate::dedup::{Fingerprint, Pin, Secs};
 
 impl SharedCache {
     /// Keeps the sweeper from collecting what lagging readers may still need: per
@@ -71,6 +71,16 @@ impl SharedCache {
         self.each(cmds).await.map(drop)
     }
 
+    /// The bytes `claim.lua` keeps for `fingerprint` (its field in its shard hash), if
+    /// any: for the tests that hold them to the Rust copy (`tests/it/dedup_cache.rs`).
+    #[doc(hidden)]
+    pub async fn entry_bytes(&mut self, fingerprint: Fingerprint) -> Result<Option<Vec<u8>>, DedupError> {
+        self.ensure_open().await?;
+        let shard = fingerprint.shard(self.shards);
+        let cmd = redis::cmd("HGET").arg(self.shard_key(shard)).arg(&fingerprint.field()[..]).clone();
+        self.query(cmd, self.group_of(shard)).await
+    }
+
     /// Deletes the entries of `shards` last seen before `cutoff`; returns how many. The
     /// same shards of the namespace a renewal replaced go altogether.
     pub async fn sweep(&mut self, shards: std::ops::Range<u32>, cutoff: Secs) -> Result<u64, DedupError> {
@@ -88,10 +98,12 @@ impl SharedCache {
             return Ok(0);
         }
         let mut cmds: Vec<redis::Cmd> = by_group
-            .values()
-            .map(|keys| {
+            .iter()
+            .map(|(&g, keys)| {
+                // The group's frontier first: the sweep keeps what a partition with no
+                // clock there may still confirm.
                 let mut cmd = redis::cmd("FCALL");
-                cmd.arg(&self.functions.sweep).arg(keys.len()).arg(keys).arg(cutoff);
+                cmd.arg(&self.functions.sweep).arg(keys.len() + 1).arg(self.frontier_key(g)).arg(keys).arg(cutoff);
                 cmd
             })
             .collect();

@@ -12,6 +12,14 @@
 //! hour are judged at the same time. Two consecutive records stamped alike far ahead do
 //! move the clock: that is what a producer whose clock really jumped looks like.
 //!
+//! A partition's first timestamped record is no exception to the exception: with no
+//! clock to be ahead of, it cannot tell junk from traffic either, so it starts the clock
+//! only once the next timestamped record is stamped within `CLOCK_JUMP` of it — at the
+//! later of the two, the time ordinary traffic always had. Until then there is no clock
+//! (record time 0 for records without a timestamp) and each record is judged at its own
+//! timestamp, ahead of no clock. So a junk first record changes no other record's time
+//! either (issue 35).
+//!
 //! Everything here is a function of the records read (their timestamps, in offset
 //! order): a reader that starts from a recorded [`PartitionClock`] (a checkpoint at a
 //! batch boundary) computes the same record times as the reader that wrote it.
@@ -31,7 +39,8 @@ pub struct PartitionClock {
     /// The record time reached (`None`: no timestamped record yet).
     now: Option<Secs>,
     /// The timestamp of the last record if it jumped more than [`CLOCK_JUMP`] ahead of
-    /// `now`, waiting for the next record to confirm it.
+    /// `now` (or was read while there is no clock), waiting for the next record to
+    /// confirm it.
     pending: Option<Secs>,
 }
 
@@ -48,7 +57,8 @@ impl PartitionClock {
 
     /// Advances past one record and returns its record time: the clock, or the record's
     /// own timestamp when it jumps too far ahead to move the clock alone. Records without
-    /// a timestamp (or with one outside 1970..2106) leave the clock where it is.
+    /// a timestamp (or with one outside 1970..2106, [`secs_of_millis`]) leave the clock
+    /// where it is, confirm no jump and are judged at the clock.
     pub fn tick(&mut self, record_ts_ms: Option<i64>) -> Secs {
         self.tick_confirming(record_ts_ms).0
     }
@@ -60,8 +70,18 @@ impl PartitionClock {
         let Some(t) = record_ts_ms.and_then(secs_of_millis) else { return (self.now(), false) };
         let mut confirmed = false;
         match self.now {
-            // The first record of the partition sets the clock.
-            None => *self = PartitionClock::at(Some(t)),
+            // No clock yet: the first two consecutive timestamped records stamped within
+            // an hour of each other start it, at the later of the two.
+            None => match self.pending {
+                Some(p) if t.abs_diff(p) <= CLOCK_JUMP => {
+                    *self = PartitionClock::at(Some(t.max(p)));
+                    confirmed = true;
+                }
+                _ => {
+                    self.pending = Some(t);
+                    return (t, false);
+                }
+            },
             Some(c) if t <= c.saturating_add(CLOCK_JUMP) => *self = PartitionClock::at(Some(c.max(t))),
             Some(c) => match self.pending {
                 // The second of two records stamped alike far ahead: a real jump.
@@ -78,7 +98,7 @@ impl PartitionClock {
         (self.now(), confirmed)
     }
 
-    /// The record time reached (0 before any timestamped record).
+    /// The record time reached (0 while there is no clock).
     pub fn now(&self) -> Secs {
         self.now.unwrap_or(0)
     }
@@ -144,9 +164,16 @@ pub struct Checkpoint {
     pub clock: PartitionClock,
 }
 
-/// Whole seconds of a Kafka timestamp, if it is one (librdkafka reports "none" as -1).
+/// Whole seconds of a Kafka timestamp, if it is one the clock can hold: none for "none"
+/// (librdkafka reports it as -1) or any other negative value, and none past the last
+/// second [`Secs`] holds (2106-02-07T06:28:15Z). Clamping those to that second made any
+/// two of them "stamped alike" and moved the clock there for good (issue 35); read as
+/// records without a timestamp, they leave the clock where it is and are judged at it.
 pub fn secs_of_millis(ms: i64) -> Option<Secs> {
-    (ms >= 0).then(|| Secs::try_from(ms / 1000).unwrap_or(Secs::MAX))
+    if ms < 0 {
+        return None;
+    }
+    Secs::try_from(ms / 1000).ok()
 }
 
 #[cfg(test)]
@@ -188,6 +215,76 @@ mod tests {
     fn a_jump_within_the_limit_moves_the_clock_at_once() {
         let mut c = PartitionClock::at(Some(1_000));
         assert_eq!(c.tick(Some(i64::from(1_000 + CLOCK_JUMP) * 1000)), 1_000 + CLOCK_JUMP);
+    }
+
+    // Issue 35, defect 2: the first record of a partition set its clock, so a junk first
+    // record stamped in 2100 put every later record of the partition at 2100.
+    #[test]
+    fn a_first_record_stamped_far_ahead_changes_no_other_records_time() {
+        let year_2100 = 4_102_444_800_000;
+        let mut c = PartitionClock::default();
+        assert_eq!(c.tick(Some(year_2100)), 4_102_444_800, "judged at its own time");
+        assert_eq!(c.get(), None, "it does not start the clock alone");
+        assert_eq!(c.tick(Some(1_000_000_000)), 1_000_000, "the next record: its own time, not 2100");
+        assert_eq!(c.get(), None, "still no clock: nothing confirmed the first record, nor this one yet");
+        assert_eq!(c.tick(Some(1_000_001_000)), 1_000_001, "the record after confirms it: the clock starts");
+        assert_eq!((c.get(), c.pending()), (Some(1_000_001), None));
+        assert_eq!(c.tick(Some(1_000_002_000)), 1_000_002, "ordinary traffic goes on");
+    }
+
+    #[test]
+    fn the_clock_starts_at_the_later_of_the_first_two_records_stamped_within_an_hour() {
+        // The record times ordinary traffic always had: the first at its own time, the
+        // second at the highest timestamp so far.
+        for (first, second, times) in
+            [(10, 9, [10, 10]), (9, 10, [9, 10]), (10, 10 + CLOCK_JUMP, [10, 10 + CLOCK_JUMP])]
+        {
+            let mut c = PartitionClock::default();
+            let got = ticks(&mut c, &[Some(i64::from(first) * 1000), None, Some(i64::from(second) * 1000)]);
+            assert_eq!(got, vec![times[0], 0, times[1]], "{first}, {second}");
+            assert_eq!(c.get(), Some(first.max(second)));
+        }
+        // More than an hour apart: the second waits for a third.
+        let mut c = PartitionClock::default();
+        assert_eq!(ticks(&mut c, &[Some(10_000), Some(i64::from(11 + CLOCK_JUMP) * 1000)]), vec![10, 11 + CLOCK_JUMP]);
+        assert_eq!((c.get(), c.pending()), (None, Some(11 + CLOCK_JUMP)));
+    }
+
+    #[test]
+    fn a_timeline_names_a_partitions_first_click_when_the_next_record_starts_the_clock() {
+        let mut line = Timeline::default();
+        let first = line.read(0, Some(5_000), Some(42));
+        assert_eq!((first.time, first.now, first.confirms), (5, 0, None), "judged ahead of no clock");
+        assert_eq!(line.read(1, Some(7_000), Some(43)), Read { time: 7, now: 7, confirms: Some((0, 42)) });
+        // A junk first record that nothing confirms names nothing.
+        let mut line = Timeline::default();
+        line.read(0, Some(4_102_444_800_000), Some(42));
+        assert_eq!(line.read(1, Some(5_000), Some(43)).confirms, None);
+        assert_eq!(line.read(2, Some(6_000), None), Read { time: 6, now: 6, confirms: Some((1, 43)) });
+    }
+
+    // Issue 35, defect 5: a timestamp past what `Secs` holds was clamped to its last
+    // second, so any two such records were "stamped alike" and moved the clock there for
+    // good.
+    #[test]
+    fn records_stamped_past_2106_leave_the_clock_where_it_is() {
+        let last = i64::from(Secs::MAX) * 1000 + 999;
+        assert_eq!(secs_of_millis(last), Some(Secs::MAX));
+        for past in [last + 1, last + 1 + 365 * 86_400_000, i64::MAX] {
+            assert_eq!(secs_of_millis(past), None, "{past} ms");
+        }
+        let mut c = PartitionClock::at(Some(1_000_000));
+        let (y2200, y2300) = (7_258_118_400_000, 10_413_792_000_000);
+        assert_eq!(ticks(&mut c, &[Some(y2200), Some(y2300)]), vec![1_000_000, 1_000_000], "judged at the clock");
+        assert_eq!((c.get(), c.pending()), (Some(1_000_000), None), "nothing moved, nothing pending");
+        assert_eq!(c.tick(Some(1_000_001_000)), 1_000_001, "ordinary traffic goes on from where it was");
+        // Between a jump and the record that confirms it, such a record is transparent:
+        // it is not the next timestamped record.
+        let jump = i64::from(1_000_001 + 2 * CLOCK_JUMP) * 1000;
+        let mut line = Timeline::new(c);
+        line.read(7, Some(jump), Some(42));
+        assert_eq!(line.read(8, Some(y2200), Some(43)), Read { time: 1_000_001, now: 1_000_001, confirms: None });
+        assert_eq!(line.read(9, Some(jump), None).confirms, Some((7, 42)));
     }
 
     #[test]

@@ -117,9 +117,10 @@ pub struct Chain {
     /// of its partition's clock (guide, "What counts"): `first` is that sighting and
     /// `last_seen` its record time; it matters to later sightings only while the
     /// partition's clock stays within the window of `reach` — the clock it was read at,
-    /// or the one the next record moved the clock to when it confirmed the jump. So one
-    /// record stamped in the year 2100 is forgotten a window later, like any other, and
-    /// hides none of the sightings before it.
+    /// or the one the next record moved the clock to when it confirmed the jump (0: read
+    /// while its partition had no clock, see [`Chain::kept_by_sweep`]). So one record
+    /// stamped in the year 2100 is forgotten a window later, like any other, and hides
+    /// none of the sightings before it.
     pub ahead: Option<Secs>,
 }
 
@@ -148,6 +149,16 @@ impl Chain {
     /// sweeper deletes it once that lies far enough behind.
     pub fn reach(&self) -> Secs {
         self.ahead.unwrap_or(self.last_seen)
+    }
+
+    /// Whether the sweeper keeps it at `cutoff`, given the record time at its partition's
+    /// frontier in the cache (`None`: no frontier). A sighting judged ahead of no clock
+    /// (its partition's first timestamped records; reach 0) is confirmed — its reach moved
+    /// to the clock the next record starts — only by a record still to come while the
+    /// partition has no clock, which the sweeper cannot see coming: it stays until then
+    /// (`claim.lua`'s `sweep` keeps it alike).
+    pub fn kept_by_sweep(&self, cutoff: Secs, frontier_clock: Option<Secs>) -> bool {
+        self.reach() >= cutoff || (self.ahead == Some(0) && frontier_clock.is_none_or(|c| c == 0))
     }
 
     /// The verdict of its first sighting, read again.
@@ -493,6 +504,57 @@ mod tests {
         assert_eq!(counted_offsets(&log, W), vec![0, 2]);
     }
 
+    // Issue 35, defect 2: a junk first record stamped in 2100 started the partition's clock
+    // there, so every later record was judged at 2100: every repeat of a click ID a
+    // duplicate for ever, and (`decide_shared`'s cross check) no copy on another
+    // partition within the window of any of them.
+    #[test]
+    fn a_first_record_stamped_far_ahead_leaves_the_window_to_ordinary_traffic() {
+        let (x, y) = (Some(7u128), Some(8u128));
+        let t = 1_000_000_000i64;
+        let log =
+            [(0, Some(4_102_444_800_000), None), (1, Some(t), x), (2, Some(t + 1_000), y), (3, Some(t + 61_000), x)];
+        assert_eq!(counted_offsets(&log, W), vec![1, 2, 3], "a repeat 61 s later is a new click");
+        // A first record that is a valid click stamped in 2100: judged there, it hides
+        // nothing of ordinary traffic after it.
+        let log = [(0, Some(4_102_444_800_000), x), (1, Some(t), x), (2, Some(t + 1_000), x), (3, Some(t + 62_000), x)];
+        assert_eq!(counted_offsets(&log, W), vec![0, 1, 3]);
+        // An ordinary first click and its retry: a duplicate, as ever.
+        let log = [(0, Some(t), x), (1, Some(t + 1_000), x), (2, Some(t - 1_000), x)];
+        assert_eq!(counted_offsets(&log, W), vec![0]);
+    }
+
+    // Issue 35, defect 5: two records stamped past 2106 (clamped to its last second)
+    // moved the clock there for good: every later repeat a duplicate, every chain's reach
+    // past every sweep's cutoff, no copy on another partition within the window.
+    #[test]
+    fn records_stamped_past_2106_judge_nothing_at_2106() {
+        let (x, y) = (Some(7u128), Some(8u128));
+        let t = 1_000_000_000i64;
+        let (y2200, y2300) = (Some(7_258_118_400_000), Some(10_413_792_000_000));
+        let log = [
+            (0, Some(t), y),
+            (1, Some(t), x),
+            (2, y2200, None),
+            (3, y2300, None),
+            (4, Some(t + 1_000), x),
+            (5, Some(t + 200_000), x),
+            (6, Some(t + 201_000), y),
+        ];
+        assert_eq!(counted_offsets(&log, W), vec![0, 1, 5, 6]);
+        // A copy on another partition is judged within the window of this one's.
+        let mut e = Vec::new();
+        let mut line = Timeline::new(crate::dedup::PartitionClock::at(Some(1_000_000)));
+        for (o, ts) in [(0, y2200), (1, y2300)] {
+            line.read(o, ts, None);
+        }
+        let read = line.read(2, Some(t + 1_000), x);
+        let s = Sighting { partition: 0, offset: 2, clock: read.time, now: read.now };
+        assert_eq!(decide_shared(&mut e, s, None, live(), false, true, W), Verdict::First);
+        assert_eq!(e[0].reach(), 1_000_001, "swept a window after the clock passes it");
+        assert_eq!(decide_shared(&mut e, at(1, 0, 1_000_002), None, live(), false, true, W), Verdict::CrossDuplicate);
+    }
+
     #[test]
     fn fresh_sightings_follow_the_sliding_window_of_their_partition() {
         let mut e = vec![chain(0, 10, true, 100)];
@@ -692,6 +754,47 @@ mod tests {
             3,
             "each sighting judged ahead is kept (the sweeper collects them)"
         );
+    }
+
+    #[test]
+    fn a_first_click_judged_ahead_of_no_clock_is_kept_by_the_sweeper_until_the_partition_has_one() {
+        let first = Chain { ahead: Some(0), ..chain(0, 0, true, 1_000) };
+        assert!(first.kept_by_sweep(500, Some(0)), "no clock yet: the next record may confirm it");
+        assert!(first.kept_by_sweep(500, None));
+        assert!(!first.kept_by_sweep(500, Some(1_001)), "the clock started without it: it is dead");
+        let confirmed = Chain { ahead: Some(1_001), ..first };
+        assert!(confirmed.kept_by_sweep(1_001, Some(1_001)) && !confirmed.kept_by_sweep(1_002, Some(0)));
+        assert!(!chain(0, 0, true, 1_000).kept_by_sweep(1_001, Some(0)), "a chain goes by its reach");
+    }
+
+    // Issue 35, defect 4: the sweeper keeps a chain that continues a sighting judged ahead
+    // (its start a duplicate) by its latest sighting, like any chain: every sighting
+    // extends the window, and the sweeper collects an item `window + max_record_lag`
+    // after its last one. `claim.lua` kept it by the reach stored at its first sighting,
+    // so a click retried longer than that counted again after a sweep.
+    #[test]
+    fn a_chain_that_continues_a_sighting_judged_ahead_is_swept_by_its_latest_sighting() {
+        let t = 10_000;
+        let first = Sighting { partition: 0, offset: 0, clock: t, now: 0 };
+        let mut e = Vec::new();
+        assert_eq!(decide_shared(&mut e, first, None, live(), false, true, W), Verdict::First);
+        let confirm = ClaimMode { confirm: true, ..ClaimMode::default() };
+        decide_shared(&mut e, Sighting { now: t, ..first }, upto(0), confirm, false, true, W);
+        // Retries every 15 s (W = 60) for three minutes: the first continues the sighting
+        // judged ahead in a chain of its own, the others extend that chain.
+        for i in 0..12 {
+            let retry = at(0, 1 + i64::from(i), t + 5 + 15 * i);
+            assert_eq!(decide_shared(&mut e, retry, upto(i64::from(i)), live(), false, true, W), Verdict::Duplicate);
+        }
+        let chain = e.iter().find(|c| c.ahead.is_none()).copied().expect("a chain");
+        assert_eq!((chain.start, chain.first, chain.last_seen), (Start::Duplicate, 1, t + 170));
+        assert_eq!(chain.reach(), t + 170, "its latest sighting, not its first (t + 5)");
+        assert!(chain.kept_by_sweep(t + 6, Some(t + 170)) && chain.kept_by_sweep(t + 170, Some(t + 170)));
+        assert!(!chain.kept_by_sweep(t + 171, Some(t + 170)));
+        // So the retry 15 s after the last is a duplicate after any sweep a live member's
+        // sweeper makes meanwhile (cutoff at most its time less W + max_record_lag).
+        e.retain(|c| c.kept_by_sweep(t + 185 - W, Some(t + 170)));
+        assert_eq!(decide_shared(&mut e, at(0, 13, t + 185), upto(12), live(), false, true, W), Verdict::Duplicate);
     }
 
     #[test]

@@ -9,7 +9,12 @@
 //!   highest Kafka record timestamp (whole seconds) among the records of the partition
 //!   up to and including it — or, for a record stamped more than an hour ahead of the
 //!   clock that the next record has not confirmed, its own timestamp (it is *judged
-//!   ahead*; the clock stays). The clock never goes back.
+//!   ahead*; the clock stays). A partition has no clock (0) until two consecutive
+//!   timestamped records lie within an hour of each other; it starts at the later of
+//!   them, and the records before are judged ahead of no clock. A record without a
+//!   timestamp, or with one the clock cannot hold (before 1970, after
+//!   2106-02-07T06:28:15Z), leaves the clock where it is and is judged at it. The clock
+//!   never goes back.
 //! - Within a partition, a valid click **counts** unless an earlier valid click of that
 //!   partition with the same click ID has a record time within the window `W`
 //!   (`dedup.window`) before it: `τ(o) − W ≤ τ(o') ≤ τ(o)` — and, for an `o'` judged

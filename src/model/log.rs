@@ -10,8 +10,8 @@
 //!   exactly one copy must count.
 //!
 //! Rejected records and records stamped far ahead (alone, or two alike: a producer
-//! whose clock jumped) are mixed in, and every producer falls quiet for more than an
-//! hour now and then.
+//! whose clock jumped, or past 2106) are mixed in, and every producer falls quiet for
+//! more than an hour now and then.
 
 use proptest::prelude::*;
 
@@ -26,6 +26,8 @@ pub const T0: u32 = 2 * 86_400 + 3_540;
 /// How far ahead a far-ahead record is stamped (plus 10 000 s per earlier one, so no two
 /// far-ahead records are within an hour of each other by accident).
 const FAR: u32 = 200_000;
+/// Where records stamped past 2106 start: one past the last second 32 bits hold.
+const BEYOND: u64 = u32::MAX as u64 + 1;
 /// Per-partition IDs: a few per partition, so repeats are common.
 const POOL: u8 = 6;
 const CROSS_BASE: u32 = 1_000;
@@ -59,6 +61,9 @@ pub enum Ev {
     FarPair { p: u8, k: Option<u8> },
     /// Every producer is quiet for more than an hour.
     Hour { x: u8 },
+    /// A record stamped past 2106 (more than 32 bits of seconds): a click of the partition
+    /// (`Some`) or a rejected one; `twice`: after another one, a year further.
+    Beyond { p: u8, k: Option<u8>, twice: bool },
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -102,13 +107,14 @@ impl Log {
                         Stamp::Behind(b) => Some(t + skew[p] - u32::from(b % 6)),
                         Stamp::Missing => None,
                     };
+                    let ts = ts.map(u64::from);
                     let click = ClickOf { id: per_partition_id(p, k), ad: ad % 3, minute: minute_of(t) };
                     parts[p].push(Record { ts, click: Some(click) });
                 }
                 Ev::Rejected { p, dt } => {
                     let p = usize::from(p) % partitions;
                     t += u32::from(dt % 4);
-                    parts[p].push(Record { ts: Some(t + skew[p]), click: None });
+                    parts[p].push(Record { ts: Some(u64::from(t + skew[p])), click: None });
                 }
                 Ev::Cross { parts: mask, twice, ad, spread } => {
                     let mut holders: Vec<usize> = (0..partitions).filter(|p| mask & (1 << p) != 0).collect();
@@ -127,7 +133,8 @@ impl Log {
                             t += u32::from(spread) % 3;
                         }
                         copies.push((p, parts[p].len()));
-                        parts[p].push(Record { ts: Some(t + skew[p]), click: Some(ClickOf { id, ad, minute }) });
+                        let ts = Some(u64::from(t + skew[p]));
+                        parts[p].push(Record { ts, click: Some(ClickOf { id, ad, minute }) });
                     }
                     cross.push(CrossClick { id, ad, minute, copies });
                 }
@@ -137,16 +144,26 @@ impl Log {
                     let stamp = t + FAR + 10_000 * far;
                     far += 1;
                     let click = k.map(|k| ClickOf { id: per_partition_id(p, k), ad: 0, minute: minute_of(t) });
-                    parts[p].push(Record { ts: Some(stamp), click });
+                    parts[p].push(Record { ts: Some(u64::from(stamp)), click });
                 }
                 Ev::FarPair { p, k } => {
                     let p = usize::from(p) % partitions;
                     let stamp = t + FAR + 10_000 * far;
                     far += 1;
                     let click = k.map(|k| ClickOf { id: per_partition_id(p, k), ad: 1, minute: minute_of(t) });
-                    parts[p].push(Record { ts: Some(stamp), click: None });
-                    parts[p].push(Record { ts: Some(stamp), click });
+                    parts[p].push(Record { ts: Some(u64::from(stamp)), click: None });
+                    parts[p].push(Record { ts: Some(u64::from(stamp)), click });
                     skew[p] = stamp - t;
+                }
+                Ev::Beyond { p, k, twice } => {
+                    let p = usize::from(p) % partitions;
+                    let click = k.map(|k| ClickOf { id: per_partition_id(p, k), ad: 0, minute: minute_of(t) });
+                    let stamp = BEYOND + 100_000 * u64::from(far);
+                    far += 1;
+                    if twice {
+                        parts[p].push(Record { ts: Some(stamp + 86_400 * 365), click: None });
+                    }
+                    parts[p].push(Record { ts: Some(stamp), click });
                 }
                 Ev::Hour { x } => t += JUMP + 1 + u32::from(x),
             }
@@ -158,7 +175,7 @@ impl Log {
         t += 1;
         for (p, records) in parts.iter_mut().enumerate() {
             let click = ClickOf { id: LAST_IDS + p as u32, ad: 2, minute: minute_of(t) };
-            records.push(Record { ts: Some(t + skew[p]), click: Some(click) });
+            records.push(Record { ts: Some(u64::from(t + skew[p])), click: Some(click) });
         }
         for records in &mut parts {
             stamp_confirmations_alike(records);
@@ -170,8 +187,10 @@ impl Log {
     /// click whose copies spread wider than half the smallest window turned into rejected
     /// records.
     pub fn from_parts(mut parts: Vec<Vec<Record>>, mut cross: Vec<CrossClick>) -> Log {
-        let times: Vec<Vec<u32>> =
-            parts.iter().map(|r| oracle::record_times(&r.iter().map(|r| r.ts).collect::<Vec<_>>())).collect();
+        let times: Vec<Vec<u32>> = parts
+            .iter()
+            .map(|r| oracle::record_times(&r.iter().map(|r| oracle::stamp(r.ts)).collect::<Vec<_>>()))
+            .collect();
         // A cross-partition click whose copies' record times spread wider than half the
         // smallest window (a partition's clock moved away) is not one: its copies become
         // rejected records (same timestamps, so no record time changes).
@@ -202,13 +221,13 @@ impl Log {
 /// oracle's clock before each record only involves confirmations already stamped alike.
 fn stamp_confirmations_alike(records: &mut [Record]) {
     for j in 0..records.len() {
-        let ts: Vec<Option<u32>> = records.iter().map(|r| r.ts).collect();
+        let ts: Vec<Option<u32>> = records.iter().map(|r| oracle::stamp(r.ts)).collect();
         let Some(t) = ts[j] else { continue };
         let jumps = oracle::clocks(&ts[..j])[j].is_some_and(|c| t > c.saturating_add(JUMP));
         let Some(k) = (j + 1..ts.len()).find(|&k| ts[k].is_some()) else { continue };
         let tk = ts[k].expect("stamped");
         if jumps && tk != t && tk.abs_diff(t) <= JUMP {
-            records[k].ts = Some(t);
+            records[k].ts = Some(u64::from(t));
         }
     }
 }
@@ -226,6 +245,8 @@ pub fn events(max: usize) -> impl Strategy<Value = Vec<Ev>> {
         1 => (any::<u8>(), prop::option::of(any::<u8>())).prop_map(|(p, k)| Ev::Far { p, k }),
         1 => (any::<u8>(), prop::option::of(any::<u8>())).prop_map(|(p, k)| Ev::FarPair { p, k }),
         1 => any::<u8>().prop_map(|x| Ev::Hour { x }),
+        1 => (any::<u8>(), prop::option::of(any::<u8>()), any::<bool>())
+            .prop_map(|(p, k, twice)| Ev::Beyond { p, k, twice }),
     ];
     prop::collection::vec(ev, 0..max)
 }

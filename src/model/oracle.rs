@@ -16,11 +16,18 @@ use std::collections::BTreeMap;
 pub const JUMP: u32 = 3_600;
 
 /// One record as the definition sees it: its Kafka timestamp (whole seconds; `None`
-/// when it has none) and, for a valid click, its click ID and billing bucket.
+/// when it has none; it may lie past what the clock holds) and, for a valid click, its
+/// click ID and billing bucket.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Record {
-    pub ts: Option<u32>,
+    pub ts: Option<u64>,
     pub click: Option<ClickOf>,
+}
+
+/// The timestamp a record's clock reads: none when it has none, or one past what 32 bits
+/// of seconds hold (2106-02-07T06:28:15Z) — such a record leaves the clock where it is.
+pub fn stamp(ts: Option<u64>) -> Option<u32> {
+    ts.and_then(|t| u32::try_from(t).ok())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,31 +38,42 @@ pub struct ClickOf {
     pub minute: u32,
 }
 
-/// Whether a record stamped `t` is "more than an hour ahead of the clock" `before`.
+/// Whether a record stamped `t` cannot move the clock `before` on its own: it is more
+/// than an hour ahead of it, or there is no clock yet (a partition's first timestamped
+/// record starts the clock only with the next one stamped within an hour of it).
 fn jumps(before: Option<u32>, t: u32) -> bool {
-    before.is_some_and(|c| t > c.saturating_add(JUMP))
+    before.is_none_or(|c| t > c.saturating_add(JUMP))
 }
 
 /// The clock of the partition just before each record and after the last
 /// (`clocks(ts)[i]`: after records `0..i`): the highest timestamp among them that moved
 /// it. A timestamp moves it when it is not more than an hour ahead of the clock before
 /// it, or — for one that is — once the next timestamped record (read before `i`) is
-/// stamped within an hour of it. `None`: no record before `i` carries a timestamp.
+/// stamped within an hour of it. While there is no clock, a timestamp moves it only
+/// together with the timestamp next to it, before or after, when the two lie within an
+/// hour of each other: the clock starts at the later of the first two consecutive
+/// timestamped records that do. `None`: no clock before `i` (no two such records).
 pub fn clocks(ts: &[Option<u32>]) -> Vec<Option<u32>> {
-    // next[j]: the next record after j that carries a timestamp.
+    // next[j], prev[j]: the next and the previous record of j that carry a timestamp.
     let next: Vec<Option<usize>> = (0..ts.len()).map(|j| (j + 1..ts.len()).find(|&k| ts[k].is_some())).collect();
+    let prev: Vec<Option<usize>> = (0..ts.len()).map(|j| (0..j).rev().find(|&k| ts[k].is_some())).collect();
+    let within = |k: usize, t: u32| ts[k].expect("stamped").abs_diff(t) <= JUMP;
     let mut before: Vec<Option<u32>> = Vec::with_capacity(ts.len() + 1);
     for i in 0..=ts.len() {
         let mut moved: Option<u32> = None;
         for j in 0..i {
             let Some(t) = ts[j] else { continue };
-            let accepted = !jumps(before[j], t)
-                || next[j].is_some_and(|k| {
+            let accepted = match before[j] {
+                Some(c) if !jumps(Some(c), t) => true,
+                Some(_) => next[j].is_some_and(|k| {
                     let tk = ts[k].expect("stamped");
                     let confirms = k < i && tk.abs_diff(t) <= JUMP;
                     assert!(!confirms || tk == t, "ambiguous: a jump to {t} confirmed by a record stamped {tk}");
                     confirms
-                });
+                }),
+                // No clock yet: the first of a pair once its partner is read, or the second.
+                None => next[j].is_some_and(|k| k < i && within(k, t)) || prev[j].is_some_and(|k| within(k, t)),
+            };
             if accepted {
                 moved = Some(moved.map_or(t, |m| m.max(t)));
             }
@@ -83,14 +101,14 @@ pub fn pending(ts: &[Option<u32>]) -> Vec<Option<u32>> {
         .collect()
 }
 
-/// The record time of every record: the clock once it is read (0 before any timestamp)
-/// — or, for a record stamped more than an hour ahead of the clock before it, its own
-/// timestamp.
+/// The record time of every record: the clock once it is read (0 while there is none)
+/// — or, for a record that cannot move the clock alone (stamped more than an hour ahead
+/// of it, or read while there is none) and did not move it, its own timestamp.
 pub fn record_times(ts: &[Option<u32>]) -> Vec<u32> {
     let clock = clocks(ts);
     (0..ts.len())
         .map(|i| match ts[i] {
-            Some(t) if jumps(clock[i], t) => t,
+            Some(t) if jumps(clock[i], t) && clock[i + 1] == clock[i] => t,
             _ => clock[i + 1].unwrap_or(0),
         })
         .collect()
@@ -105,7 +123,7 @@ pub fn record_times(ts: &[Option<u32>]) -> Vec<u32> {
 /// that record. Every sighting counts for the window, counted or not. `window_at(o)`:
 /// the window of the settings deciding offset `o`.
 pub fn counts_within_partition(records: &[Record], window_at: &dyn Fn(usize) -> u32) -> Vec<bool> {
-    let ts: Vec<Option<u32>> = records.iter().map(|r| r.ts).collect();
+    let ts: Vec<Option<u32>> = records.iter().map(|r| stamp(r.ts)).collect();
     let tau = record_times(&ts);
     let clock = clocks(&ts);
     let after = |i: usize| clock[i + 1].unwrap_or(0);
@@ -221,29 +239,53 @@ mod tests {
     }
 
     #[test]
+    fn the_clock_starts_with_the_first_two_records_stamped_within_an_hour_at_the_later() {
+        let far = 10 + 2 * JUMP;
+        // A first record far ahead of the traffic after it moves nothing.
+        assert_eq!(t(&[Some(far), Some(10), None, Some(12), Some(11)]), vec![far, 10, 0, 12, 12]);
+        assert_eq!(clocks(&[Some(far), Some(10), None, Some(12)]), vec![None, None, None, None, Some(12)]);
+        assert_eq!(pending(&[Some(far), Some(10), None, Some(12)]), vec![None, Some(far), Some(10), Some(10), None]);
+        // The later of the two, whichever comes first.
+        assert_eq!(t(&[Some(12), Some(10), Some(11)]), vec![12, 12, 12]);
+        assert_eq!(t(&[Some(10), Some(10 + JUMP)]), vec![10, 10 + JUMP], "exactly an hour: no jump");
+    }
+
+    #[test]
     fn one_record_far_ahead_is_judged_at_its_own_time_and_moves_nothing() {
         let far = 10 + 2 * JUMP;
-        assert_eq!(t(&[Some(10), Some(far), Some(11)]), vec![10, far, 11]);
-        assert_eq!(clock_before(&[Some(10), Some(far), Some(11)], 3), Some(11));
-        assert_eq!(pending(&[Some(10), Some(far)])[2], Some(far));
-        assert_eq!(pending(&[Some(10), Some(far), None])[3], Some(far));
-        assert_eq!(pending(&[Some(10), Some(far), Some(11)])[3], None);
+        assert_eq!(t(&[Some(9), Some(10), Some(far), Some(11)]), vec![9, 10, far, 11]);
+        assert_eq!(clock_before(&[Some(9), Some(10), Some(far), Some(11)], 4), Some(11));
+        assert_eq!(pending(&[Some(9), Some(10), Some(far)])[3], Some(far));
+        assert_eq!(pending(&[Some(9), Some(10), Some(far), None])[4], Some(far));
+        assert_eq!(pending(&[Some(9), Some(10), Some(far), Some(11)])[4], None);
     }
 
     #[test]
     fn two_records_stamped_alike_far_ahead_move_the_clock() {
         let far = 10 + 2 * JUMP;
-        assert_eq!(t(&[Some(10), Some(far), None, Some(far), Some(12)]), vec![10, far, 10, far, far]);
-        assert_eq!(clock_before(&[Some(10), Some(far), None, Some(far)], 4), Some(far));
-        assert_eq!(pending(&[Some(10), Some(far), None, Some(far)])[4], None, "confirmed");
+        assert_eq!(t(&[Some(9), Some(10), Some(far), None, Some(far), Some(12)]), vec![9, 10, far, 10, far, far]);
+        assert_eq!(clock_before(&[Some(9), Some(10), Some(far), None, Some(far)], 5), Some(far));
+        assert_eq!(pending(&[Some(9), Some(10), Some(far), None, Some(far)])[5], None, "confirmed");
         // Exactly an hour ahead is no jump.
-        assert_eq!(t(&[Some(10), Some(10 + JUMP)]), vec![10, 10 + JUMP]);
+        assert_eq!(t(&[Some(9), Some(10), Some(10 + JUMP)]), vec![9, 10, 10 + JUMP]);
+        // Two alike first: that is where the clock starts.
+        assert_eq!(t(&[Some(far), Some(far), Some(12)]), vec![far, far, far]);
     }
 
     #[test]
     #[should_panic(expected = "ambiguous")]
     fn a_jump_confirmed_by_a_record_stamped_differently_is_refused() {
-        record_times(&[Some(10), Some(10 + 2 * JUMP), Some(10 + 2 * JUMP + 5)]);
+        record_times(&[Some(9), Some(10), Some(10 + 2 * JUMP), Some(10 + 2 * JUMP + 5)]);
+    }
+
+    #[test]
+    fn a_record_stamped_past_2106_is_read_as_one_without_a_timestamp() {
+        let past = u64::from(u32::MAX) + 1;
+        assert_eq!((stamp(Some(past)), stamp(Some(u64::from(u32::MAX)))), (None, Some(u32::MAX)));
+        let click = |id, ts| Record { ts: Some(ts), click: Some(ClickOf { id, ad: 0, minute: 0 }) };
+        let junk = |ts| Record { ts: Some(ts), click: None };
+        let log = [click(1, 100), click(2, 101), junk(past), junk(past + 86_400), click(1, 102), click(1, 200)];
+        assert_eq!(counts_within_partition(&log, &|_| 10), vec![true, true, false, false, false, true]);
     }
 
     #[test]
@@ -255,9 +297,9 @@ mod tests {
         let behind = [click(1, 0), Record { ts: Some(30), click: None }, click(1, 1)];
         assert_eq!(counts_within_partition(&behind, &|_| 10), vec![true, false, true]);
         // A sighting judged far ahead is not "before" a later one judged at the clock.
-        let far = [click(1, 100), click(1, 100 + 2 * JUMP), click(1, 105)];
+        let far = [click(1, 100), click(1, u64::from(100 + 2 * JUMP)), click(1, 105)];
         assert_eq!(counts_within_partition(&far, &|_| 10), vec![true, true, false]);
-        let far_first = [click(1, 100), Record { ts: Some(100 + 2 * JUMP), click: None }, click(1, 200)];
+        let far_first = [click(1, 100), Record { ts: Some(u64::from(100 + 2 * JUMP)), click: None }, click(1, 200)];
         assert_eq!(counts_within_partition(&far_first, &|_| 10), vec![true, false, true]);
     }
 }

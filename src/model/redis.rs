@@ -440,8 +440,9 @@ impl Redis {
     }
 
     /// One full walk of the sweeper of a member using `ns`: chains last seen before
-    /// `cutoff` go (entries left with none too), and so does the namespace a renewal
-    /// replaced.
+    /// `cutoff` go (entries left with none too; `Chain::kept_by_sweep`, with the record
+    /// time at the partition's frontier in the group), and so does the namespace a
+    /// renewal replaced.
     pub fn sweep(&mut self, ns: Ns, cutoff: Secs) -> usize {
         let mut swept = 0;
         let previous = self.groups[0].previous.take();
@@ -451,9 +452,10 @@ impl Redis {
                 group.spaces.remove(&prev);
             }
             if let Some(space) = group.spaces.get_mut(&ns) {
+                let clocks: BTreeMap<i32, Secs> = space.frontier.iter().map(|(&p, &(_, t, _))| (p, t)).collect();
                 for chains in space.entries.values_mut() {
                     let before = chains.len();
-                    chains.retain(|c| c.reach() >= cutoff);
+                    chains.retain(|c| c.kept_by_sweep(cutoff, clocks.get(&c.partition).copied()));
                     swept += before - chains.len();
                 }
                 space.entries.retain(|_, chains| !chains.is_empty());

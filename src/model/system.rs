@@ -114,7 +114,7 @@ impl World {
             .parts
             .iter()
             .map(|records| {
-                let ts: Vec<Option<u32>> = records.iter().map(|r| r.ts).collect();
+                let ts: Vec<Option<u32>> = records.iter().map(|r| oracle::stamp(r.ts)).collect();
                 oracle::clocks(&ts).into_iter().zip(oracle::pending(&ts)).collect()
             })
             .collect();
@@ -493,7 +493,11 @@ impl Stages {
             reader.last = o;
             let rec = w.log.parts[p as usize][o as usize];
             let clock_before = reader.clock;
-            let read = reader.clock.read(o, rec.ts.map(|t| i64::from(t) * 1000), rec.click.map(|c| u128::from(c.id)));
+            let read = reader.clock.read(
+                o,
+                rec.ts.map(|t| i64::try_from(t).map_or(i64::MAX, |t| t.saturating_mul(1000))),
+                rec.click.map(|c| u128::from(c.id)),
+            );
             let clock = read.time;
             if n.start_of(o + 1) == o + 1 {
                 self.clocks.push(Checkpoint { partition: p, boundary: o + 1, clock: reader.clock.clock });
@@ -1212,6 +1216,17 @@ impl Member {
     /// One walk of this member's sweeper at the current wall clock.
     pub fn sweep(&self, w: &mut World) {
         self.sweeper()(w);
+    }
+
+    /// One walk of this member's sweeper while its readers are at their log ends (the
+    /// records after them not produced yet), so that none of them holds anything: what
+    /// the model's fixed log cannot show otherwise (a reader with records left to read
+    /// is behind, `give_holds`).
+    pub fn sweep_at_log_end(&self, w: &mut World) {
+        let window = Duration::from_secs(u64::from(self.st.window));
+        let cutoff = sweep_cutoff(i64::from(w.wall), window, Duration::from_secs(u64::from(LAG)), None);
+        add(&coverage::SWEEPS, 1);
+        add(&coverage::SWEPT, w.redis.sweep(self.ns, cutoff));
     }
 
     /// This member's sweeper, to walk while another member's step is under way.

@@ -119,6 +119,9 @@ async fn a_rebalance_planned_across_a_redis_restarted_empty_counts_exactly() {
 async fn a_cache_lost_while_every_partition_restarts_at_the_log_start_counts_again() {
     let mut env = TestEnv::new("loststart").await;
     env.batch_offsets = 10_000;
+    // `b` stays frozen until `a` waits on it: a session that outlasts a loaded machine's
+    // detour, or `b` leaves the group and `a` plans every partition itself.
+    env.extra_env.push(("CLICKAGG__KAFKA__SESSION_TIMEOUT".into(), "60s".into()));
     // No rejected records: a first record that is no click would acknowledge its
     // partition's frontier, which the members then check.
     let (records, truth) = env.plan(Spec { malformed_ratio: 0.0, ..retries_and_copies(16_000, 165) });
@@ -142,7 +145,7 @@ async fn a_cache_lost_while_every_partition_restarts_at_the_log_start_counts_aga
     assert!(env.delete_dedup_keys().await > 0, "the members kept dedup state in Redis");
     // `a` moves to a new namespace and plans its partitions there from offset 0; their new
     // clicks wait for `b`'s, which nobody planned there yet.
-    a.wait_for_line("sightings wait for other partitions' state", from, Duration::from_secs(60)).await;
+    a.wait_for_line("sightings wait for other partitions' state", from, Duration::from_secs(120)).await;
     assert!(env.delete_dedup_frontiers().await > 0, "the new namespace has its frontiers");
     b.signal(libc::SIGCONT);
     producer.finished().await;

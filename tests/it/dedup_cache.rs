@@ -8,7 +8,7 @@ use clickagg::cache::{Claimer, DedupError, SharedCache};
 use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprint, Sighting, Verdict};
 use clickagg::health::Health;
 
-use crate::helpers::cache_model::{compare, SHARDS, WINDOW};
+use crate::helpers::cache_model::{compare, compare_all, Compared, SHARDS, WINDOW};
 use crate::helpers::{PrivateStack, TestEnv};
 
 /// The test's dedup cache, spread over `groups` key groups.
@@ -48,6 +48,66 @@ async fn the_redis_function_decides_as_the_rust_model_does_with_the_cache_in_thr
         let tags: HashSet<&str> = keys.iter().filter_map(|k| k.split(['{', '}']).nth(1)).collect();
         assert_eq!(tags.len(), 3, "three hash tags, one per group: {tags:?}");
     }
+}
+
+/// Issue 35, defect 4, as the issue tells it: a click retried for longer than `window +
+/// max_record_lag`, each retry within the window of the one before, must stay a duplicate
+/// however often the sweeper walks (it deletes an item `window + max_record_lag` after
+/// its *last* sighting). Here the click is its partition's first record, judged ahead of
+/// no clock until the next record starts the clock and confirms it; its retries continue
+/// it in a chain of their own, whose start is a duplicate. `claim.lua` swept that chain
+/// by its first sighting, and the retry after counted again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_click_retried_past_the_window_and_lag_stays_a_duplicate_across_sweeps() {
+    let env = TestEnv::new("luaretried").await;
+    let mut cache = cache_in_groups(&env, 1);
+    cache.open().await.unwrap();
+    let (click, other) = (Fingerprint((7 << 96) | 1), Fingerprint((8 << 96) | 2));
+    let lag = Duration::from_secs(40);
+    let live = ClaimMode::default();
+    let t0 = 1_000_000;
+    // The partition's first record, judged ahead of no clock; the next starts the clock.
+    let first =
+        Claim { fingerprint: click, sighting: Sighting { partition: 0, offset: 0, clock: t0, now: 0 }, mode: live };
+    assert_eq!(cache.claim(&[first]).await.unwrap(), vec![Verdict::First]);
+    let confirm =
+        Claim { sighting: Sighting { now: t0, ..first.sighting }, mode: ClaimMode { confirm: true, ..live }, ..first };
+    let next = Claim { fingerprint: other, sighting: Sighting::at(0, 1, t0), mode: live };
+    assert_eq!(cache.claim(&[confirm, next]).await.unwrap()[1], Verdict::First);
+    // Retries every 15 s (the window is 20 s) for three minutes, the member live: its
+    // sweeper walks a second after each, at the wall clock's cutoff.
+    for i in 0..12u32 {
+        let clock = t0 + 5 + 15 * i;
+        let retry = Claim { fingerprint: click, sighting: Sighting::at(0, 2 + i64::from(i), clock), mode: live };
+        let verdict = cache.claim(&[retry]).await.unwrap();
+        assert_eq!(verdict, vec![Verdict::Duplicate], "the retry at {} s", clock - t0);
+        let wall = i64::from(clock) + 1;
+        let cutoff = clickagg::cache::sweeper::sweep_cutoff(wall, Duration::from_secs(WINDOW.into()), lag, None);
+        cache.sweep(0..SHARDS, cutoff).await.unwrap();
+    }
+}
+
+/// Issue 35, defect 4: `claim.lua`'s sweep kept a chain that continues a sighting judged
+/// ahead (its start a duplicate, a 17-byte item) by the reach stored at its first
+/// sighting, not by its latest, so a click retried for longer than `window +
+/// max_record_lag` lost its chain to the sweeper and counted again. The comparison
+/// interleaves sweeps with the claims; this test runs the histories that make such chains
+/// (jumpy seeds) and those that keep the partitions together, on one key group and on
+/// three, and checks that they met what the sweep must keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_redis_function_sweeps_as_the_rust_model_does() {
+    let mut seen = Compared::default();
+    for (seed, groups) in [(31, 1), (32, 1), (33, 3), (34, 3), (35, 1), (37, 3), (39, 1), (41, 3)] {
+        let env = TestEnv::new("luasweep").await;
+        let compared = compare_all(cache_in_groups(&env, groups), seed).await;
+        eprintln!("seed {seed}, {groups} key groups: {compared:?}");
+        seen += compared;
+    }
+    eprintln!("compared: {seen:?}");
+    assert!(seen.claims > 60_000 && seen.sweeps > 800, "{seen:?}");
+    assert!(seen.swept > 10_000, "sweeps removed items: {seen:?}");
+    assert!(seen.kept_by_latest >= 20, "chains kept by their latest sighting, past their first: {seen:?}");
+    assert!(seen.kept_unclocked >= 100, "items of partitions without a clock kept: {seen:?}");
 }
 
 /// The claim task with several poll batches in flight when Redis goes away and comes
