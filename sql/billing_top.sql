@@ -35,18 +35,22 @@ FROM
     SELECT ad_id, groupArray(bucket) AS buckets, groupArray(clicks) AS counts, sum(clicks) AS total
     FROM
     (
+        -- if sealed_days (clickagg leaves this part out when no day of the range is sealed)
         SELECT ad_id, toUInt32(day) AS bucket, clicks
         FROM ad_clicks_sealed_day FINAL
         WHERE (topic, day) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
                                FROM (SELECT arrayJoin({sealed_days:Array(Tuple(String, DateTime('UTC')))}) AS s))
           AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
         UNION ALL
+        -- end if
+        -- if sealed_hours (left out when no hour of the range is sealed)
         SELECT ad_id, toUInt32(multiIf({by:String} = 'day', toStartOfDay(hour), hour)) AS bucket, clicks
         FROM ad_clicks_sealed_hour FINAL
         WHERE (topic, hour) IN (SELECT tupleElement(s, 1), tupleElement(s, 2)
                                 FROM (SELECT arrayJoin({sealed_hours:Array(Tuple(String, DateTime('UTC')))}) AS s))
           AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
         UNION ALL
+        -- end if
         SELECT ad_id, bucket, sum(clicks) AS clicks
         FROM
         (
@@ -62,8 +66,10 @@ FROM
               AND minute < {to:DateTime('UTC')}
               AND ({topic:String} = '' OR topic = {topic:String})
               AND ({all_ads:UInt8} OR ad_id IN (SELECT arrayJoin({ads:Array(UInt64)})))
+            -- if covered (left out when no hour of the range is covered by a seal)
             WHERE (topic, toStartOfHour(minute)) NOT IN (SELECT tupleElement(c, 1), tupleElement(c, 2)
                                                        FROM (SELECT arrayJoin({covered:Array(Tuple(String, DateTime('UTC')))}) AS c))
+            -- end if
         )
         GROUP BY ad_id, bucket
     )

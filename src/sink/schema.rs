@@ -55,9 +55,11 @@ impl Sink {
         let on_cluster = self.cluster.as_deref().map(|c| format!(" ON CLUSTER {}", quote_ident(c))).unwrap_or_default();
         let create_db = format!("CREATE DATABASE IF NOT EXISTS {}{on_cluster}", quote_ident(&self.database));
         self.timed(self.server.query(&create_db).execute()).await?;
+        let version: String = self.timed(self.server.query("SELECT version()").fetch_one()).await?;
         let mut applied = Vec::new();
         for (name, sql) in MIGRATIONS {
             for statement in statements(sql) {
+                let statement = for_server(&statement, &version);
                 match &self.cluster {
                     None => self.execute(&statement).await?,
                     Some(cluster) => {
@@ -73,6 +75,24 @@ impl Sink {
         }
         Ok(applied)
     }
+}
+
+/// A migration statement as a server of `version` (`SELECT version()`) takes it: on a
+/// release before 21.x (18.16) the minute table is partitioned by month with the
+/// default granules, not by day (`sql/001`): 18.16 opens every part of a `FINAL` range
+/// at once, each with its own buffers, and an exact read over a few years of day
+/// partitions (905 of a 12-year backfill) exceeds its per-query memory (3.73 GiB
+/// measured), where month partitions keep it to one part a month. Current releases read
+/// `FINAL` per partition and in parallel, and a day's partition is what a read of
+/// recent hours touches.
+pub fn for_server(statement: &str, version: &str) -> String {
+    let major: u32 = version.split('.').next().and_then(|m| m.parse().ok()).unwrap_or(u32::MAX);
+    if major >= 21 || !statement.starts_with(&format!("CREATE TABLE IF NOT EXISTS {TABLE}\n")) {
+        return statement.to_string();
+    }
+    statement
+        .replace("PARTITION BY toYYYYMMDD(minute)", "PARTITION BY toYYYYMM(minute)")
+        .replace("\nSETTINGS index_granularity = 1024", "")
 }
 
 /// The cluster form of one migration statement: a `CREATE TABLE IF NOT EXISTS <t> (…)
@@ -147,6 +167,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_minute_table_is_by_day_on_current_servers_and_by_month_before_21() {
+        let minute = &statements(MIGRATIONS[0].1)[0];
+        for current in ["26.9.2.1", "21.8.15.7", "25.8.1.1"] {
+            assert_eq!(for_server(minute, current), *minute, "{current}");
+        }
+        let old = for_server(minute, "18.16.1");
+        assert!(old.contains("PARTITION BY toYYYYMM(minute)") && !old.contains("index_granularity"), "{old}");
+        // Only the minute table changes.
+        let topics = &statements(MIGRATIONS[1].1)[0];
+        assert_eq!(for_server(topics, "18.16.1"), *topics);
+    }
+
+    #[test]
     fn every_table_the_migrations_create_has_a_cluster_form() {
         let mut tables = Vec::new();
         for (name, sql) in MIGRATIONS {
@@ -191,8 +224,17 @@ mod tests {
         let forms = cluster_statements(minute, "clickagg", "clickagg_cluster").unwrap();
         assert!(forms[0].starts_with("CREATE TABLE IF NOT EXISTS `clickagg`.ad_clicks_minute_local ON CLUSTER `clickagg_cluster`\n(\n    ad_id       UInt64,"), "{}", forms[0]);
         assert!(forms[0].contains(
-            "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/clickagg/ad_clicks_minute_local', '{replica}', version)\nPARTITION BY toYYYYMM(minute)\nORDER BY (ad_id, minute, topic, partition, batch_start)"
+            "ENGINE = ReplicatedReplacingMergeTree('/clickhouse/tables/{shard}/clickagg/ad_clicks_minute_local', '{replica}', version)\nPARTITION BY toYYYYMMDD(minute)\nORDER BY (ad_id, minute, topic, partition, batch_start)\nSETTINGS index_granularity = 1024"
         ), "{}", forms[0]);
+        // On 18.16 (the cluster stack's engine) by month, with the default granules.
+        let old = cluster_statements(&for_server(minute, "18.16.1"), "clickagg", "clickagg_cluster").unwrap();
+        assert!(
+            old[0].ends_with(
+                "version)\nPARTITION BY toYYYYMM(minute)\nORDER BY (ad_id, minute, topic, partition, batch_start)"
+            ),
+            "{}",
+            old[0]
+        );
         assert_eq!(
             forms[1],
             "CREATE TABLE IF NOT EXISTS `clickagg`.ad_clicks_minute ON CLUSTER `clickagg_cluster` AS `clickagg`.ad_clicks_minute_local \
