@@ -1206,7 +1206,7 @@ fn a_restart_lost_before_any_claim_at_the_log_start_keeps_every_partition_waitin
 // ahead (on a topic that accepts any CreateTime) put every later record of the partition
 // at its time: no copy on another partition was within the window of them, and both
 // copies counted. Now a first record starts the clock only with the next record stamped
-// within an hour of it (README, "What counts"), like any jump.
+// within an hour of it (guide, "What counts"), like any jump.
 #[test]
 fn a_partitions_first_record_stamped_far_ahead_moves_its_clock_for_every_later_record() {
     // Partition 0: a rejected record stamped days ahead, then a copy of click 1000 and

@@ -171,7 +171,7 @@ pub(super) fn touched<'a>(topic: &'a str, rows: &[BatchRow], writer: Writer) -> 
 /// The most days one INSERT may write: current ClickHouse refuses a block over more
 /// partitions (`max_partitions_per_insert_block`, default 100) with code 252, whatever
 /// the retry, and the minute table is partitioned by day there (by month on servers
-/// before 21.x, `schema::minute_table_layout`: 100 days never span more than 100 months).
+/// before 21.x, `schema::for_server`: 100 days never span more than 100 months).
 pub const MAX_DAYS_PER_INSERT: usize = 100;
 
 /// The UTC day of a row: the minute table's partition on a current server.
