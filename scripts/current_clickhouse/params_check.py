@@ -43,11 +43,26 @@ def pairs_param(inner):
     return "[" + ",".join(f"('{t}','{literal_time(s)}')" for t, s in PAIR.findall(inner)) + "]"
 
 
+# What each (topic, time) array is, by the clause it follows. clickagg leaves out the
+# parts of the files a read does not need (`-- if ...`), so an array may be missing:
+# the file as an analyst runs it then gets an empty one, and must answer the same.
+ROLES = (("sealed_days", "(topic, day) IN"), ("sealed_hours", "(topic, hour) IN"), ("covered", "NOT IN"))
+
+
+def arrays_of(printed):
+    arrays = {}
+    for m in PAIRS.finditer(printed):
+        before = printed[max(0, m.start() - 200):m.start()]
+        role = max(ROLES, key=lambda r: before.rfind(r[1]))
+        if before.rfind(role[1]) < 0 or role[0] in arrays:
+            raise RuntimeError(f"a (topic, time) array after no clause the check knows: {before[-80:]!r}")
+        arrays[role[0]] = m.group(1)
+    return [arrays.get(name, "") for name, _ in ROLES]
+
+
 def params_of(printed, args):
     # The three (topic, time) arrays, in the files' order: sealed days, sealed hours, covered.
-    arrays = PAIRS.findall(printed)
-    if len(arrays) != 3:
-        raise RuntimeError(f"expected 3 (topic, time) arrays in the printed SQL, found {len(arrays)}")
+    arrays = arrays_of(printed)
     # The minute rows' range: the time literals outside those arrays.
     times = re.findall(r"toDateTime\((\d+), 'UTC'\)", PAIRS.sub("", printed))
     by = args[args.index("--by") + 1] if "--by" in args else "minute"

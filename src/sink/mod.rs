@@ -34,7 +34,7 @@ pub use error::{class_of, classify, Class, SinkError, CODES};
 pub use read::{Billing, LastFlush};
 pub use registry::{RulesHistory, RulesVersion, REGISTRATION_SETTLE_SECS};
 pub use schema::{cluster_statements, MIGRATIONS, SHARDING};
-pub use write::MAX_DAYS_PER_INSERT;
+pub use write::MAX_MONTHS_PER_INSERT;
 
 use crate::config::ClickHouseSettings;
 

@@ -51,6 +51,10 @@ impl RulesHistory {
 /// insert to complete.
 pub const REGISTRATION_SETTLE_SECS: i64 = 2;
 
+/// How long the deletion of a settings change may take: the mutation, and the wait
+/// until it is done.
+const MUTATION_LIMIT: std::time::Duration = std::time::Duration::from_secs(300);
+
 impl Sink {
     /// Records `batch_offsets` for `topic`, or checks it against the recorded value.
     ///
@@ -155,7 +159,17 @@ impl Sink {
                     format!("{table}_local"),
                 ),
             };
-            self.execute(&sql).await?;
+            // A server may run the mutation before it answers (`clickhouse-local`, which
+            // serves the stack's current engine, took 28-34 s over 198 month parts): the
+            // statement may take as long as the wait below, not just request_timeout.
+            match tokio::time::timeout(MUTATION_LIMIT, self.client.query(&sql).execute()).await {
+                Ok(r) => r.map_err(super::classify)?,
+                Err(_) => {
+                    return Err(SinkError::Transient(format!(
+                        "deleting rows of {table}: no answer within {MUTATION_LIMIT:?}"
+                    )))
+                }
+            }
             // A mutation runs in the background: wait until it is done (no server of every
             // supported version knows `mutations_sync`). It touches only rows written before
             // it, so nothing a reader writes afterwards goes. Asked after a pause in which a
@@ -165,7 +179,7 @@ impl Sink {
                 "SELECT count() FROM system.mutations WHERE database = currentDatabase() AND table = {} AND is_done = 0",
                 super::quote_literal(&mutated)
             );
-            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(300);
+            let deadline = std::time::Instant::now() + MUTATION_LIMIT;
             loop {
                 tokio::time::sleep(std::time::Duration::from_secs(2)).await;
                 let left: u64 = self.timed(self.client.query(&pending).fetch_one::<u64>()).await?;

@@ -127,7 +127,7 @@ impl Sink {
         if rows.is_empty() {
             return Ok(());
         }
-        // One INSERT per block of at most MAX_DAYS_PER_INSERT days.
+        // One INSERT per block of at most MAX_MONTHS_PER_INSERT months.
         for block in insert_blocks(rows) {
             self.timed(async {
                 let mut insert = self.client.insert::<MinuteOut>(TABLE).await?;
@@ -168,39 +168,45 @@ pub(super) fn touched<'a>(topic: &'a str, rows: &[BatchRow], writer: Writer) -> 
     top.into_iter().map(|((hour, partition), version)| TouchedOut { topic, hour, partition, version }).collect()
 }
 
-/// The most days one INSERT may write: current ClickHouse refuses a block over more
-/// partitions (`max_partitions_per_insert_block`, default 100) with code 252, whatever
-/// the retry, and the minute table is partitioned by day there (by month on servers
-/// before 21.x, `schema::for_server`: 100 days never span more than 100 months).
-pub const MAX_DAYS_PER_INSERT: usize = 100;
+/// The most calendar months one INSERT may write. Current ClickHouse refuses a block
+/// over more than `max_partitions_per_insert_block` (100) partitions with code 252,
+/// whatever the retry, and the minute table is partitioned by day there; on servers
+/// before 21.x it is by month (`schema::for_server`). Three whole months hold at most 92
+/// days, and a month's rows stay in one INSERT, so one part per month and flush: 18.16
+/// reads `FINAL` with buffers per part, and a 12-year backfill split by 100 days made
+/// twice the parts and ran out of its per-query memory (3.73 GiB) in the current-ClickHouse check.
+pub const MAX_MONTHS_PER_INSERT: usize = 3;
 
-/// The UTC day of a row: the minute table's partition on a current server.
-fn day(minute: Minute) -> u32 {
-    minute.epoch_seconds() / 86_400
+/// `toYYYYMM(minute)`: the row's calendar month.
+fn year_month(minute: Minute) -> u32 {
+    use chrono::Datelike;
+    let t = chrono::DateTime::from_timestamp(i64::from(minute.epoch_seconds()), 0)
+        .expect("u32 seconds are always a valid timestamp");
+    t.year() as u32 * 100 + t.month()
 }
 
 /// The INSERT blocks of one flush: each holds the rows of at most
-/// [`MAX_DAYS_PER_INSERT`] days, in flush order; days are taken in the order their
-/// first row appears. A flush within 100 days (every live flush) stays one INSERT.
+/// [`MAX_MONTHS_PER_INSERT`] months, in flush order; months are taken in the order
+/// their first row appears. A flush within 3 months (every live flush) stays one INSERT.
 ///
 /// Writing a flush in several INSERTs keeps it idempotent: every row carries its batch
 /// ID and version, so a retry after a failure between blocks writes the blocks already
 /// written again, harmlessly, and nothing is committed until all are written.
 fn insert_blocks<'a>(rows: impl IntoIterator<Item = &'a BatchRow>) -> Vec<Vec<&'a BatchRow>> {
     let mut blocks: Vec<Vec<&BatchRow>> = Vec::new();
-    let mut block_of_day: HashMap<u32, usize> = HashMap::new();
-    let mut days_in_last_block = 0;
+    let mut block_of_month: HashMap<u32, usize> = HashMap::new();
+    let mut months_in_last_block = 0;
     for r in rows {
-        let day = day(r.key.minute);
-        let block = match block_of_day.get(&day) {
+        let month = year_month(r.key.minute);
+        let block = match block_of_month.get(&month) {
             Some(&b) => b,
             None => {
-                if blocks.is_empty() || days_in_last_block == MAX_DAYS_PER_INSERT {
+                if blocks.is_empty() || months_in_last_block == MAX_MONTHS_PER_INSERT {
                     blocks.push(Vec::new());
-                    days_in_last_block = 0;
+                    months_in_last_block = 0;
                 }
-                days_in_last_block += 1;
-                block_of_day.insert(day, blocks.len() - 1);
+                months_in_last_block += 1;
+                block_of_month.insert(month, blocks.len() - 1);
                 blocks.len() - 1
             }
         };
@@ -217,21 +223,29 @@ mod tests {
         BatchRow { key: BucketKey { ad_id, minute }, partition: 0, batch_start: 0, clicks: 1, version: 0 }
     }
 
-    /// The first minute of the `n`th day after 2000-01-01 (UTC).
-    fn day_n(n: u32) -> Minute {
-        Minute::from_epoch_seconds(946_684_800 + n * 86_400)
+    /// The first minute of the `n`th month after January 2000 (UTC).
+    fn month(n: u32) -> Minute {
+        let start = chrono::NaiveDate::from_ymd_opt(2000 + (n / 12) as i32, n % 12 + 1, 1).unwrap();
+        Minute::from_epoch_seconds(start.and_hms_opt(0, 0, 0).unwrap().and_utc().timestamp() as u32)
     }
 
     #[test]
-    fn a_flush_over_more_than_100_days_is_split_into_inserts_of_at_most_100_in_row_order() {
-        // 250 days, interleaved: rows of one day are far apart in the flush.
-        let rows: Vec<BatchRow> = (0..1000u64).map(|i| row(i, day_n((i * 7 % 250) as u32))).collect();
+    fn a_flush_over_many_months_is_split_into_inserts_of_at_most_three_whole_months_in_row_order() {
+        // 150 months (a 12-year backfill), interleaved: rows of one month are far apart.
+        let rows: Vec<BatchRow> = (0..1000u64).map(|i| row(i, month((i * 7 % 150) as u32))).collect();
         let blocks = insert_blocks(&rows);
-        assert_eq!(blocks.len(), 3);
+        assert_eq!(blocks.len(), 50);
         let mut seen = Vec::new();
-        for block in &blocks {
-            let days: std::collections::BTreeSet<u32> = block.iter().map(|r| day(r.key.minute)).collect();
-            assert!(days.len() <= MAX_DAYS_PER_INSERT, "{} days in one insert", days.len());
+        let mut month_blocks: HashMap<u32, usize> = HashMap::new();
+        for (b, block) in blocks.iter().enumerate() {
+            let months: std::collections::BTreeSet<u32> = block.iter().map(|r| year_month(r.key.minute)).collect();
+            assert!(months.len() <= MAX_MONTHS_PER_INSERT, "{} months in one insert", months.len());
+            let days: std::collections::BTreeSet<u32> =
+                block.iter().map(|r| r.key.minute.epoch_seconds() / 86_400).collect();
+            assert!(days.len() <= 100, "{} days in one insert: over a day-partitioned table's limit", days.len());
+            for m in months {
+                assert_eq!(*month_blocks.entry(m).or_insert(b), b, "month {m} split over two inserts");
+            }
             // Each block keeps the flush's order.
             assert!(block.windows(2).all(|w| w[0].key.ad_id < w[1].key.ad_id));
             seen.extend(block.iter().map(|r| r.key.ad_id));
@@ -241,8 +255,8 @@ mod tests {
     }
 
     #[test]
-    fn a_flush_within_100_days_stays_one_insert_in_flush_order() {
-        let rows: Vec<BatchRow> = (0..500u64).map(|i| row(i, day_n((i % 100) as u32))).collect();
+    fn a_flush_within_three_months_stays_one_insert_in_flush_order() {
+        let rows: Vec<BatchRow> = (0..500u64).map(|i| row(i, month((i % 3) as u32))).collect();
         let blocks = insert_blocks(&rows);
         assert_eq!(blocks.len(), 1);
         assert!(blocks[0].iter().map(|r| r.key.ad_id).eq(0..500));
@@ -270,9 +284,10 @@ mod tests {
     }
 
     #[test]
-    fn days_are_utc_days() {
-        assert_eq!(day(day_n(0)), 10_957);
-        assert_eq!(day(Minute::from_epoch_seconds(1_764_460_740)), day(Minute::from_epoch_seconds(1_764_374_400)));
-        assert_ne!(day(Minute::from_epoch_seconds(1_764_460_800)), day(Minute::from_epoch_seconds(1_764_460_740)));
+    fn months_are_utc_calendar_months() {
+        assert_eq!(year_month(month(0)), 200001);
+        assert_eq!(year_month(month(13)), 200102);
+        assert_eq!(year_month(Minute::from_epoch_seconds(1_764_460_740)), 202511); // 2025-11-29T23:59Z
+        assert_eq!(year_month(Minute::from_epoch_seconds(u32::MAX)), 210602);
     }
 }
