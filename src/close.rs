@@ -22,7 +22,6 @@ use serde::Serialize;
 use crate::click::rfc3339;
 use crate::config::Settings;
 use crate::sealing::period::{close_id, parse_period, Period, PeriodKind};
-use crate::sealing::stop_point;
 use crate::sink::periods::{AdjustmentRow, Close};
 use crate::sink::{Sink, SinkError};
 
@@ -157,9 +156,9 @@ pub async fn run(s: &Settings, args: &CloseArgs) -> Result<ExitCode> {
     let positions = committed_positions(s).await?;
     let totals = crate::seal::adjust::current_totals(&sink, topic, period).await.context("reading the totals")?;
     let id = close_id(topic, period, &totals);
-    stop_point("close:before-totals");
+    stop_point!("close:before-totals");
     sink.insert_closed(topic, period, id, &totals).await.context("writing the closed totals")?;
-    stop_point("close:after-totals");
+    stop_point!("close:after-totals");
     let record = Close {
         period: period.kind.word().to_string(),
         start: period.start,
@@ -172,7 +171,7 @@ pub async fn run(s: &Settings, args: &CloseArgs) -> Result<ExitCode> {
         closed_at: 0,
     };
     sink.insert_close_record(topic, &record).await.context("writing the close record")?;
-    stop_point("close:after-record");
+    stop_point!("close:after-record");
     // Another close may have been recorded first: the first one stands, and is reported.
     let stands = sink.close_of(topic, period).await?.context("the close record just written is not readable")?;
     print(&Closed::new(topic, period, &stands, stands.close_id == id));

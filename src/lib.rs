@@ -30,6 +30,17 @@
 //!
 //! `ARCHITECTURE.md` draws the stages and says which steps are safe to replay.
 
+// Before the modules: `stop_point!` is used by name in them.
+#[cfg(feature = "test-hooks")]
+#[macro_use]
+mod test_hooks;
+/// A point where the integration tests may kill the process (`test_hooks`); nothing
+/// in a build without the `test-hooks` feature.
+#[cfg(not(feature = "test-hooks"))]
+macro_rules! stop_point {
+    ($step:literal) => {};
+}
+
 pub mod aggregate;
 pub mod cache;
 pub mod click;

@@ -419,7 +419,7 @@ async fn zero_what_was_not_superseded(
             Ok(sink.buckets_not_superseded(topic, &ranges.partitions, batch_offsets, generation).await?)
         })
         .await?;
-    crate::sealing::stop_point("supersede:before-zeros");
+    stop_point!("supersede:before-zeros");
     let writer = Writer::Supersede { generation, batch_offsets };
     crate::planner::until_done("writing the buckets found empty", s.pipeline.max_backoff, shutdown, || async {
         Ok(sink.insert(topic, &rows, writer).await?)

@@ -18,7 +18,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::stop_point;
 use crate::aggregate::Grain;
 use crate::sealing::period::{adjusted_by_ad, adjustments, Period};
 use crate::sink::billing::BillingRequest;
@@ -94,9 +93,9 @@ async fn detect_period(sink: &Sink, topic: &str, close: &Close, period: Period, 
             (a, serde_json::to_string(&batches).expect("strings serialize"))
         })
         .collect();
-    stop_point("adjust:before-rows");
+    stop_point!("adjust:before-rows");
     sink.insert_adjustments(topic, period, &rows, detected_at).await?;
-    stop_point("adjust:after-rows");
+    stop_point!("adjust:after-rows");
     tracing::warn!(
         topic,
         period = %period.label(),

@@ -90,5 +90,5 @@ pub mod round;
 pub mod task;
 
 // The pure parts, a layer below `sink` (which writes and reads what they decide).
-pub use crate::sealing::{plan, split, stop_point};
+pub use crate::sealing::{plan, split};
 pub use round::{Due, Report, SealError, Sealer};

@@ -13,7 +13,6 @@ use super::plan::{
     chunks_by_day, complete_days, day_version, decide, due_until, floor_day, next_stretch, skip_empty_days, to_reseal,
     Decision, DAY, HOUR,
 };
-use super::stop_point;
 use crate::aggregate::{BatchOffsets, Grain};
 use crate::config::{KafkaSettings, Settings};
 use crate::retry::Retryable;
@@ -249,9 +248,9 @@ impl Sealer {
                     if in_table.is_some() {
                         rows.extend(self.vanished(Grain::Hour, hour, &ads, version).await?);
                     }
-                    stop_point("seal:before-hour-rows");
+                    stop_point!("seal:before-hour-rows");
                     sink.insert_sealed(Grain::Hour, topic, hour, &rows).await?;
-                    stop_point("seal:after-hour-rows");
+                    stop_point!("seal:after-hour-rows");
                     count(Grain::Hour, recorded.is_some(), report);
                 }
             }
@@ -277,7 +276,7 @@ impl Sealer {
             ))));
         }
         sink.insert_seal_records(&records).await?;
-        stop_point("seal:after-hour-records");
+        stop_point!("seal:after-hour-records");
         Ok(true)
     }
 
@@ -303,7 +302,7 @@ impl Sealer {
             rows.extend(self.vanished(Grain::Day, day, &ads, version).await?);
         }
         sink.insert_sealed(Grain::Day, topic, day, &rows).await?;
-        stop_point("seal:after-day-rows");
+        stop_point!("seal:after-day-rows");
         let record = RecordOut {
             topic: topic.to_string(),
             grain: grain_word(Grain::Day),
@@ -313,7 +312,7 @@ impl Sealer {
             positions: String::new(),
         };
         sink.insert_seal_records(&[record]).await?;
-        stop_point("seal:after-day-record");
+        stop_point!("seal:after-day-record");
         count(Grain::Day, recorded.is_some(), report);
         Ok(())
     }

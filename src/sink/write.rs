@@ -138,7 +138,7 @@ impl Sink {
             })
             .await?;
         }
-        crate::sealing::stop_point("flush:after-minute-rows");
+        stop_point!("flush:after-minute-rows");
         let markers = touched(topic, rows, writer);
         self.timed(async {
             let mut insert = self.client.insert::<TouchedOut>(TOUCHED).await?;

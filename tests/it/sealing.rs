@@ -106,7 +106,7 @@ fn click(id: &str, ad: u64, event_ms: i64, record_ms: i64) -> Planned {
 }
 
 /// `clickagg seal --through through`, killed with SIGKILL at `step`
-/// (`CLICKAGG_TEST_STOP_AT`, debug builds only): it must die there.
+/// (`CLICKAGG_TEST_STOP_AT`, a test hook: `src/test_hooks.rs`): it must die there.
 async fn seal_killed_at(env: &TestEnv, step: &str, through: u32) {
     let label = format!("seal-killed-{}", step.replace(':', "-"));
     let mut p = env.spawn(&label, &["seal", "--through", &rfc3339(through)], &[("CLICKAGG_TEST_STOP_AT", step)]);
