@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use rdkafka::consumer::CommitMode;
-use rdkafka::error::KafkaResult;
+use rdkafka::error::KafkaError;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, info_span, warn, Instrument};
 
@@ -34,7 +34,18 @@ use crate::source::Record;
 use crate::telemetry::{self as t, RateLimiter};
 
 /// Sends the commits a durable flush allows (the group consumer's `commit`).
-pub type Committer = Box<dyn Fn(&BTreeMap<i32, i64>, CommitMode) -> KafkaResult<()> + Send + Sync>;
+pub type Committer = Box<dyn Fn(&BTreeMap<i32, i64>, CommitMode) -> Result<(), CommitError> + Send + Sync>;
+
+/// Why the commits of a durable flush were not sent. Harmless for correctness either
+/// way: the next commit covers them, or the next owner re-reads the batch.
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error(transparent)]
+    Kafka(#[from] KafkaError),
+    /// The consumer that commits for the group is gone (the member left the group).
+    #[error("no group consumer to commit through: the member left the group")]
+    NoConsumer,
+}
 
 enum Message {
     /// A job, with the fence it was handed over under.

@@ -37,7 +37,7 @@ use tracing::{error, info};
 use crate::cache::Claimer;
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
-use crate::flusher::{Committer, Flusher, FlusherConfig};
+use crate::flusher::{CommitError, Committer, Flusher, FlusherConfig};
 use crate::health::Health;
 use crate::pipeline::{Stages, StagesConfig};
 use crate::planner::{until_done, PipelineError, Planner};
@@ -197,15 +197,16 @@ impl Member {
     }
 }
 
-/// Commits `offsets` through the group consumer, once it exists and while it does.
+/// Commits `offsets` through the group consumer, once it exists and while it does:
+/// before it is built or once it is dropped, a commit is [`CommitError::NoConsumer`].
 fn committer(cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>>, topic: String) -> Committer {
     Box::new(move |offsets: &BTreeMap<i32, i64>, mode: CommitMode| {
-        let Some(consumer) = cell.get().and_then(Weak::upgrade) else { return Ok(()) };
+        let consumer = cell.get().and_then(Weak::upgrade).ok_or(CommitError::NoConsumer)?;
         let mut tpl = TopicPartitionList::new();
         for (&p, &offset) in offsets {
             tpl.add_partition_offset(&topic, p, Offset::Offset(offset))?;
         }
-        consumer.commit(&tpl, mode)
+        Ok(consumer.commit(&tpl, mode)?)
     })
 }
 
