@@ -72,4 +72,5 @@ pub mod sink;
 pub mod source;
 pub mod status;
 pub mod telemetry;
+pub mod time;
 pub mod verify;

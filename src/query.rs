@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use std::process::ExitCode;
 
 use anyhow::{anyhow, Context, Result};
-use chrono::{DateTime, NaiveDate, Utc};
+use chrono::{DateTime, Utc};
 use clap::{Args, ValueEnum};
 
 use crate::aggregate::Grain;
@@ -16,6 +16,7 @@ use crate::sealing::period::{parse_period, Period, PeriodKind};
 use crate::sink::billing::{billing_sql, check, unsealed, BillingRequest};
 pub use crate::sink::billing::{BillingRow, BILLING_SQL, BILLING_TOP_SQL};
 use crate::sink::Sink;
+use crate::time::parse_time;
 
 /// The bucket width of the counts. Buckets are UTC: the table stores UTC minutes and
 /// billing days must not move with a server's or analyst's time zone.
@@ -100,17 +101,6 @@ pub struct QueryArgs {
     /// as it is now, instead of running it.
     #[arg(long)]
     pub print_sql: bool,
-}
-
-/// RFC 3339, or a plain date meaning its UTC midnight (billing days are UTC days).
-pub fn parse_time(s: &str) -> Result<DateTime<Utc>, String> {
-    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
-        return Ok(t.with_timezone(&Utc));
-    }
-    if let Ok(d) = NaiveDate::parse_from_str(s, "%Y-%m-%d") {
-        return Ok(d.and_hms_opt(0, 0, 0).expect("midnight exists").and_utc());
-    }
-    Err(format!("{s:?} is neither RFC 3339 (2026-11-30T08:00:00Z) nor a date (2026-11-30)"))
 }
 
 fn epoch_seconds(t: DateTime<Utc>, flag: &str) -> Result<u32> {
@@ -264,13 +254,6 @@ mod tests {
         assert!(sql.contains("PREWHERE minute >= toDateTime(1795996800, 'UTC')"), "{sql}");
         // The sealed parts, which would read nothing, are left out.
         assert!(!sql.contains("ad_clicks_sealed") && !sql.contains("NOT IN"), "{sql}");
-    }
-
-    #[test]
-    fn plain_dates_mean_utc_midnight_and_offsets_are_converted_to_utc() {
-        assert_eq!(parse_time("2026-11-30").unwrap().to_rfc3339(), "2026-11-30T00:00:00+00:00");
-        assert_eq!(parse_time("2026-11-30T09:30:00+01:00").unwrap().to_rfc3339(), "2026-11-30T08:30:00+00:00");
-        assert!(parse_time("30/11/2026").is_err());
     }
 
     #[test]

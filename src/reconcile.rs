@@ -21,9 +21,9 @@ use crate::aggregate::BucketKey;
 use crate::click::Minute;
 use crate::config::Settings;
 use crate::dedup::{Pin, PrivateScope, Sighting, Timeline};
-use crate::replay::parse_time_ms;
 use crate::sink::Sink;
 use crate::source::{self, RangeReader, Ranges};
+use crate::time::parse_time_ms;
 use crate::verify::{self, Diff};
 
 #[derive(Debug, Args, Clone)]

@@ -36,6 +36,7 @@ use crate::retry::FatalSignal;
 use crate::sink::Sink;
 use crate::sink::Writer;
 use crate::source::{self, RangeReader, Ranges};
+use crate::time::parse_time_ms;
 
 #[derive(Debug, Args, Clone)]
 pub struct ReplayArgs {
@@ -72,11 +73,6 @@ pub enum StartAt {
 pub enum StopAt {
     Latest,
     Time(i64),
-}
-
-/// RFC 3339 or a plain date (its UTC midnight), in milliseconds; as `query` reads times.
-pub fn parse_time_ms(s: &str) -> Option<i64> {
-    crate::query::parse_time(s).ok().map(|t| t.timestamp_millis())
 }
 
 impl std::str::FromStr for StartAt {

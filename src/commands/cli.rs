@@ -227,11 +227,11 @@ pub struct SealArgs {
     /// instead of the hours the group's committed positions make due: after a backfill
     /// with no member running. Exactness does not depend on it (a later write to a
     /// sealed hour re-seals it).
-    #[arg(long, value_parser = crate::query::parse_time)]
+    #[arg(long, value_parser = crate::time::parse_time)]
     pub through: Option<chrono::DateTime<chrono::Utc>>,
     /// Also compute every sealed hour from this time on again, and its day: a repair
     /// after minute rows were written by something that writes no markers.
-    #[arg(long, value_parser = crate::query::parse_time)]
+    #[arg(long, value_parser = crate::time::parse_time)]
     pub recompute_from: Option<chrono::DateTime<chrono::Utc>>,
 }
 

@@ -139,7 +139,7 @@ async fn a_replay_starting_in_the_middle_of_a_batch_reduces_no_count() {
     // Offsets in the middle of batches (batch_offsets = 1000), and a time in the middle.
     env.replay_checked("replay-offsets", "0:1500,1:2999,2:10,3:7777", &truth.counts).await;
     let mid = chrono::DateTime::from_timestamp_millis(
-        clickagg::replay::parse_time_ms(&chrono::Utc::now().to_rfc3339()).unwrap() - 5 * 60_000,
+        clickagg::time::parse_time_ms(&chrono::Utc::now().to_rfc3339()).unwrap() - 5 * 60_000,
     )
     .unwrap()
     .to_rfc3339();

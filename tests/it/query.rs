@@ -11,6 +11,7 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
+use clickagg::time;
 use clickagg::sink::billing::FEW_ADS;
 use clickagg::sink::Writer;
 
@@ -410,8 +411,8 @@ async fn query_prints_the_ground_truth_in_every_format_bucketing_and_top_n() {
 /// Every ad on 2026-11-30, bucketed `by`: the day the version tests write.
 fn nov_30(by: By) -> QueryArgs {
     QueryArgs {
-        from: Some(query::parse_time("2026-11-30").unwrap()),
-        to: Some(query::parse_time("2026-12-01").unwrap()),
+        from: Some(time::parse_time("2026-11-30").unwrap()),
+        to: Some(time::parse_time("2026-12-01").unwrap()),
         period: None,
         with_adjustments: false,
         ads: vec![],
@@ -544,7 +545,7 @@ async fn clickagg_seal_seals_minute_rows_written_before_it_existed_once_and_idem
         }
         t
     };
-    let days = |by| QueryArgs { to: Some(query::parse_time("2026-12-03").unwrap()), ..nov_30(by) };
+    let days = |by| QueryArgs { to: Some(time::parse_time("2026-12-03").unwrap()), ..nov_30(by) };
     // ad 7: 3 + 4 + 1 (batch 0) + 6 (batch 1000); ad 8: 9 and 4.
     let want: BTreeMap<u64, u64> = [(7, 14), (8, 13)].into();
     for by in [By::Minute, By::Hour, By::Day] {

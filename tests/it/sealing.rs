@@ -10,6 +10,7 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Kind, Planned, Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
+use clickagg::time;
 use clickagg::sink::Writer;
 
 use crate::helpers::{wait_until, Member, TestEnv};
@@ -54,8 +55,8 @@ async fn counted_by_a_sealing_member(label: &str, seed: u64) -> (TestEnv, Member
 async fn assert_query_exact(env: &TestEnv, truth: &BTreeMap<BucketKey, u64>, from: u32, to: u32) {
     for by in [By::Hour, By::Day] {
         let args = QueryArgs {
-            from: Some(query::parse_time(&rfc3339(from)).unwrap()),
-            to: Some(query::parse_time(&rfc3339(to)).unwrap()),
+            from: Some(time::parse_time(&rfc3339(from)).unwrap()),
+            to: Some(time::parse_time(&rfc3339(to)).unwrap()),
             period: None,
             with_adjustments: false,
             ads: vec![],
