@@ -1,5 +1,6 @@
-//! Logs and metrics: the subscriber set-up, every metric name in one place, and the
-//! rate limiter that keeps a flood of bad records from flooding the logs.
+//! Metrics and what logs share: every metric name in one place, and the rate limiter
+//! that keeps a flood of bad records from flooding the logs (the binary sets up the
+//! log subscriber itself, `main.rs`).
 //!
 //! Labels are bounded: `partition` (the topic's partition count), `reason` (the closed
 //! set of [`RejectReason`](crate::click::RejectReason)s) and a few fixed words. Never
@@ -10,9 +11,6 @@ use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use tracing_subscriber::EnvFilter;
-
-use crate::config::{LogFormat, LogSettings};
 
 pub const RECORDS_CONSUMED: &str = "clickagg_records_consumed_total";
 pub const CLICKS_COUNTED: &str = "clickagg_clicks_counted_total";
@@ -294,23 +292,6 @@ pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
     metrics::gauge!(BUCKETS_HELD).set(0.0);
     // 0 until the member's first look at the sealer's progress, moments after it starts.
     metrics::gauge!(SEAL_LAG).set(0.0);
-}
-
-/// Installs the tracing subscriber: `RUST_LOG` if set, else the configured filter.
-pub fn init_logs(settings: &LogSettings) {
-    let filter = EnvFilter::try_from_default_env()
-        .or_else(|_| EnvFilter::try_new(&settings.filter))
-        .unwrap_or_else(|_| EnvFilter::new("info"));
-    use std::io::IsTerminal;
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
-    // A second call (tests run several commands in one process) keeps the first subscriber.
-    let _ = match settings.format {
-        LogFormat::Human => builder.try_init(),
-        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).try_init(),
-    };
 }
 
 /// Attributes a task's time to what it was doing, for [`STAGE_TIME`]: each `mark` books

@@ -11,9 +11,9 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
-use clickagg::time;
 use clickagg::sink::billing::FEW_ADS;
 use clickagg::sink::Writer;
+use clickagg::time;
 
 use crate::helpers::{StoredRow, TestEnv};
 

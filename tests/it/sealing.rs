@@ -10,8 +10,8 @@ use clickagg::aggregate::{BatchRow, BucketKey};
 use clickagg::click::Minute;
 use clickagg::produce::{Kind, Planned, Spec, Truth};
 use clickagg::query::{self, By, Format, QueryArgs};
-use clickagg::time;
 use clickagg::sink::Writer;
+use clickagg::time;
 
 use crate::helpers::{wait_until, Member, TestEnv};
 
