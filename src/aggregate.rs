@@ -16,21 +16,13 @@ use std::collections::{BTreeMap, HashMap};
 
 use crate::click::Minute;
 use crate::dedup::Pin;
+use crate::position::BatchOffsets;
 
 /// One billing bucket: an ad in an event-time minute.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BucketKey {
     pub ad_id: u64,
     pub minute: Minute,
-}
-
-/// How coarse a billing bucket is: what `query --by` asks for and what the sealer
-/// compacts minutes into.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Grain {
-    Minute,
-    Hour,
-    Day,
 }
 
 /// One row for `ad_clicks_minute` (the topic is added by the sink).
@@ -77,36 +69,6 @@ impl Flush {
         self.pins.extend(later.pins);
         self.rows.extend(later.rows);
         self.commits.extend(later.commits);
-    }
-}
-
-/// The batch size in offsets (`N`). Part of every batch's identity: changing it for a
-/// topic whose rows already exist would make old and new batches overlap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BatchOffsets(u64);
-
-impl BatchOffsets {
-    pub fn new(n: u64) -> Option<BatchOffsets> {
-        (n > 0 && n <= i64::MAX as u64).then_some(BatchOffsets(n))
-    }
-
-    pub fn get(self) -> u64 {
-        self.0
-    }
-
-    /// The start of the batch containing `offset`.
-    pub fn start_of(self, offset: i64) -> i64 {
-        offset - offset.rem_euclid(self.0 as i64)
-    }
-
-    /// The first batch boundary at or after `offset`.
-    pub fn boundary_at_or_after(self, offset: i64) -> i64 {
-        let start = self.start_of(offset);
-        if start == offset {
-            offset
-        } else {
-            start + self.0 as i64
-        }
     }
 }
 

@@ -53,7 +53,8 @@ use proptest::prelude::*;
 use self::log::{Ev, Log, WINDOWS};
 use self::oracle::CrossClick;
 use self::system::{Fate, Member, Replay, World};
-use crate::aggregate::{BatchOffsets, Grain};
+use crate::position::BatchOffsets;
+use crate::sealing::Grain;
 
 /// How the current owners of partitions assigned to a joining member let them go.
 #[derive(Debug, Clone, Copy)]

@@ -27,14 +27,14 @@ use std::time::{Duration, Instant};
 use rdkafka::consumer::CommitMode;
 use tracing::{info, warn};
 
-use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush};
+use crate::aggregate::{Aggregator, BucketKey, Flush};
 use crate::click::Click;
 use crate::config::Settings;
 use crate::dedup::{
     Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict,
 };
 use crate::health::Health;
-use crate::position::{Scope, Start};
+use crate::position::{BatchOffsets, Scope, Start};
 use crate::source::Record;
 use crate::telemetry::{self as t, RateLimiter};
 

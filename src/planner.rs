@@ -20,11 +20,11 @@ use tokio::runtime::Handle;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::aggregate::BatchOffsets;
 use crate::cache::{DedupError, SharedCache};
 use crate::config::Settings;
 use crate::dedup::{PartitionClock, Pin, Secs};
 use crate::pipeline::{hold, Distrust, RecordedPins, Stages};
+use crate::position::BatchOffsets;
 use crate::position::{self, Boundary, Marks, Scope, Start};
 use crate::retry::{self, Retry, Stopped};
 use crate::sink::{RulesHistory, Sink, SinkError};

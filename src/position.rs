@@ -13,11 +13,43 @@
 //!   frontier, and nothing when the frontier reaches the boundary. Offsets at or below
 //!   the frontier are re-reads, decided from what the cache recorded.
 //!
+//! The batches themselves are offset-aligned ([`BatchOffsets`]): a reader that starts
+//! at a boundary rebuilds whole batches, and so does every reader after it.
+//!
 //! The functions here are pure; the broker and Redis look-ups they need are in
-//! `source` and `dedup`.
+//! `source` and `cache` (the `planner` makes them).
 
-use crate::aggregate::BatchOffsets;
 use crate::dedup::{PartitionClock, Secs};
+
+/// The batch size in offsets (`N`). Part of every batch's identity: changing it for a
+/// topic whose rows already exist would make old and new batches overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchOffsets(u64);
+
+impl BatchOffsets {
+    pub fn new(n: u64) -> Option<BatchOffsets> {
+        (n > 0 && n <= i64::MAX as u64).then_some(BatchOffsets(n))
+    }
+
+    pub fn get(self) -> u64 {
+        self.0
+    }
+
+    /// The start of the batch containing `offset`.
+    pub fn start_of(self, offset: i64) -> i64 {
+        offset - offset.rem_euclid(self.0 as i64)
+    }
+
+    /// The first batch boundary at or after `offset`.
+    pub fn boundary_at_or_after(self, offset: i64) -> i64 {
+        let start = self.start_of(offset);
+        if start == offset {
+            offset
+        } else {
+            start + self.0 as i64
+        }
+    }
+}
 
 /// Where a reader starts one partition, and how it decides there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

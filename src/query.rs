@@ -10,9 +10,9 @@ use anyhow::{anyhow, Context, Result};
 use chrono::{DateTime, Utc};
 use clap::{Args, ValueEnum};
 
-use crate::aggregate::Grain;
 use crate::config::Settings;
 use crate::sealing::period::{parse_period, Period, PeriodKind};
+use crate::sealing::Grain;
 use crate::sink::billing::{billing_sql, check, unsealed, BillingRequest};
 pub use crate::sink::billing::{BillingRow, BILLING_SQL, BILLING_TOP_SQL};
 use crate::sink::Sink;

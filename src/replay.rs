@@ -24,13 +24,13 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::aggregate::BatchOffsets;
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
 use crate::flusher::{Flusher, FlusherConfig};
 use crate::health::Health;
 use crate::pipeline::{BatchStats, RecordedPins, Stages, StagesConfig};
 use crate::planner::Planner;
+use crate::position::BatchOffsets;
 use crate::position::{self, Start};
 use crate::retry::FatalSignal;
 use crate::sink::Sink;

@@ -23,8 +23,8 @@ use figment::providers::{Env, Format as _, Serialized, Toml};
 use figment::Figment;
 use serde::{Deserialize, Serialize};
 
-use crate::aggregate::BatchOffsets;
 use crate::click::{Fields, Limits, TsUnit};
+use crate::position::BatchOffsets;
 pub use crate::secrets::{redact_url, Secret, SecretUrl};
 pub use clickhouse::{ClickHouseEndpoint, ClickHouseSettings};
 pub use kafka::{KafkaSettings, SaslMechanism, SecurityProtocol, EXACTLY_ONCE_PROPERTIES};

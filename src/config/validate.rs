@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use super::kafka::{SaslMechanism, EXACTLY_ONCE_PROPERTIES};
 use super::{tls, ConfigError, RedisSettings, Settings};
-use crate::aggregate::BatchOffsets;
+use crate::position::BatchOffsets;
 
 impl Settings {
     /// Cross-field checks, each saying what to change.

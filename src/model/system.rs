@@ -16,11 +16,13 @@ use std::time::Duration;
 use super::log::Log;
 use super::oracle;
 use super::redis::{group_of, ClaimIn, Lost, Ns, Recovered, Redis, Reply, GROUPS};
-use crate::aggregate::{Aggregator, BatchOffsets, BucketKey, Flush, Grain};
+use crate::aggregate::{Aggregator, BucketKey, Flush};
 use crate::cache::sweeper::sweep_cutoff;
 use crate::click::Minute;
 use crate::dedup::{Checkpoint, ClaimMode, PartitionClock, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict};
+use crate::position::BatchOffsets;
 use crate::position::{self, Marks, Resume, Scope, Start};
+use crate::sealing::Grain;
 use crate::sink::{stored_version, Writer};
 
 /// How often the simulated system took each path, over all cases (for

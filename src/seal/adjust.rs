@@ -18,8 +18,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::aggregate::Grain;
 use crate::sealing::period::{adjusted_by_ad, adjustments, Period};
+use crate::sealing::Grain;
 use crate::sink::billing::BillingRequest;
 use crate::sink::periods::Close;
 use crate::sink::{Sink, SinkError};

@@ -13,9 +13,10 @@ use super::plan::{
     chunks_by_day, complete_days, day_version, decide, due_until, floor_day, next_stretch, skip_empty_days, to_reseal,
     Decision, DAY, HOUR,
 };
-use crate::aggregate::{BatchOffsets, Grain};
 use crate::config::{KafkaSettings, Settings};
+use crate::position::BatchOffsets;
 use crate::retry::Retryable;
+use crate::sealing::Grain;
 use crate::sink::seal::{grain_word, Progress, RecordOut, SealedRow};
 use crate::sink::{Sink, SinkError};
 use crate::telemetry as t;

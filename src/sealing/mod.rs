@@ -7,3 +7,12 @@
 pub mod period;
 pub mod plan;
 pub mod split;
+
+/// How coarse a billing bucket is: what `query --by` asks for and what the sealer
+/// compacts minutes into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Grain {
+    Minute,
+    Hour,
+    Day,
+}

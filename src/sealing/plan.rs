@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
-use crate::aggregate::BatchOffsets;
+use crate::position::BatchOffsets;
 
 pub const HOUR: u32 = 3_600;
 pub const DAY: u32 = 86_400;

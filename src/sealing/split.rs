@@ -21,7 +21,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use super::plan::{DAY, HOUR};
-use crate::aggregate::Grain;
+use super::Grain;
 
 /// One seal record (`clickagg_seals`).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -14,8 +14,8 @@ use clickhouse::Row;
 use serde::Deserialize;
 
 use super::{quote_ident, quote_literal, Sink, SinkError};
-use crate::aggregate::Grain;
 use crate::sealing::split::{split, Split};
+use crate::sealing::Grain;
 
 pub const BILLING_SQL: &str = include_str!("../../sql/billing.sql");
 pub const BILLING_TOP_SQL: &str = include_str!("../../sql/billing_top.sql");

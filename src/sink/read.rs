@@ -7,9 +7,10 @@ use clickhouse::Row;
 use serde::Deserialize;
 
 use super::{Sink, SinkError, TABLE, TOUCHED};
-use crate::aggregate::{BucketKey, Grain};
+use crate::aggregate::BucketKey;
 use crate::click::Minute;
 use crate::dedup::{PartitionClock, Pin};
+use crate::sealing::Grain;
 
 #[derive(Row, Deserialize)]
 struct ClockIn {

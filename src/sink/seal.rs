@@ -9,9 +9,9 @@ use clickhouse::Row;
 use serde::{Deserialize, Serialize};
 
 use super::{classify, Sink, SinkError, SEALED_DAY, SEALED_HOUR, SEALS, SEAL_PROGRESS, TABLE, TOUCHED};
-use crate::aggregate::Grain;
 use crate::sealing::plan::ROW_WEIGHT_SQL;
 use crate::sealing::split::{Marker, SealRecord, SealState};
+use crate::sealing::Grain;
 
 /// How long the read that computes a day of seals from the minute rows may take. It
 /// reads every minute row of the stretch once through `FINAL`, so it is not bounded by

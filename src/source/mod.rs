@@ -297,7 +297,7 @@ pub fn offsets_for_time<C: Consumer>(
 pub fn boundaries<X: ConsumerContext>(
     consumer: &impl Consumer<X>,
     topic: &str,
-    n: crate::aggregate::BatchOffsets,
+    n: crate::position::BatchOffsets,
     requested: &BTreeMap<i32, Option<i64>>,
     timeout: Duration,
 ) -> Result<BTreeMap<i32, crate::position::Boundary>, KafkaError> {

@@ -20,10 +20,10 @@ use std::sync::{Mutex, OnceLock};
 use serde::Serialize;
 
 use super::window::{History, Reading, FRESHNESS_WINDOW_SECONDS, RATE_WINDOW_SECONDS};
-use crate::aggregate::BatchOffsets;
 use crate::click::Minute;
 use crate::config::Settings;
 use crate::dedup::Secs;
+use crate::position::BatchOffsets;
 use crate::position::{Scope, Start};
 use crate::telemetry::ClicksByTenth;
 

@@ -4,8 +4,9 @@
 use std::collections::{BTreeMap, HashSet};
 use std::time::Duration;
 
-use clickagg::aggregate::{BatchOffsets, BucketKey};
+use clickagg::aggregate::BucketKey;
 use clickagg::click::RejectReason;
+use clickagg::position::BatchOffsets;
 use clickagg::produce::Spec;
 use clickagg::source::{RangeReader, Ranges};
 

@@ -386,7 +386,7 @@ async fn split_of(env: &TestEnv, from: u32, to: u32) -> clickagg::sealing::split
     let r = clickagg::sink::billing::BillingRequest {
         from,
         to,
-        by: clickagg::aggregate::Grain::Day,
+        by: clickagg::sealing::Grain::Day,
         ads: vec![],
         topic: Some(env.topic.clone()),
         top: Some(10),
