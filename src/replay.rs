@@ -429,7 +429,7 @@ async fn zero_what_was_not_superseded(
 
 /// `s` with the window, validation limits and reading of recorded `rules` (the fingerprint key
 /// and shard count only shape the cache, which a replay does not use).
-pub fn settings_of(s: &Settings, rules: &crate::dedup::Rules) -> Settings {
+pub fn settings_of(s: &Settings, rules: &crate::config::Rules) -> Settings {
     let mut under = s.clone();
     under.dedup.window = Some(Duration::from_secs(rules.window_secs));
     under.validation.max_payload_bytes = rules.max_payload_bytes as usize;

@@ -129,7 +129,7 @@ impl SharedCache {
     /// The shared dedup cache of `topic`, as the settings describe it: where Redis is,
     /// its key groups, and the rules it decides by (window, shards, the name of its
     /// namespace).
-    pub fn connect(r: &RedisSettings, rules: &crate::dedup::Rules, topic: &str) -> Result<SharedCache, ConfigError> {
+    pub fn connect(r: &RedisSettings, rules: &crate::config::Rules, topic: &str) -> Result<SharedCache, ConfigError> {
         let window = rules.window();
         let cache = SharedCache::new(
             RedisTarget::from_settings(r)?,

@@ -11,6 +11,7 @@
 mod clickhouse;
 mod kafka;
 mod redis;
+mod rules;
 pub mod secret_files;
 pub mod tls;
 mod validate;
@@ -29,6 +30,7 @@ pub use crate::secrets::{redact_url, Secret, SecretUrl};
 pub use clickhouse::{ClickHouseEndpoint, ClickHouseSettings};
 pub use kafka::{KafkaSettings, SaslMechanism, SecurityProtocol, EXACTLY_ONCE_PROPERTIES};
 pub use redis::{RedisSettings, RedisWait, SentinelSettings};
+pub use rules::{Reading, Rules};
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -384,17 +386,17 @@ impl Settings {
     }
 
     /// The settings that decide which clicks count, as the topic records them.
-    pub fn rules(&self) -> crate::dedup::Rules {
+    pub fn rules(&self) -> Rules {
         let v = &self.validation;
-        crate::dedup::Rules {
+        Rules {
             window_secs: self.dedup_window().as_secs(),
-            fingerprint_key_id: crate::dedup::Rules::key_id(self.dedup.fingerprint_key.expose()),
+            fingerprint_key_id: Rules::key_id(self.dedup.fingerprint_key.expose()),
             shards: self.dedup.shards,
             max_payload_bytes: v.max_payload_bytes as u64,
             max_click_id_len: v.max_click_id_len as u64,
             max_future_skew_secs: v.max_future_skew.as_secs(),
             max_lateness_secs: v.max_lateness.as_secs(),
-            reading: crate::dedup::Reading { format: self.source.format, fields: v.fields.clone(), ts_unit: v.ts_unit },
+            reading: Reading { format: self.source.format, fields: v.fields.clone(), ts_unit: v.ts_unit },
         }
     }
 }

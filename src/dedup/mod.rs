@@ -52,11 +52,9 @@
 pub mod clock;
 pub mod decide;
 pub mod fingerprint;
-pub mod rules;
 
 pub use clock::{Checkpoint, PartitionClock, Read, Secs, Timeline, CLOCK_JUMP};
 pub use decide::{
     decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Start, Verdict,
 };
 pub use fingerprint::{Fingerprint, Fingerprinter};
-pub use rules::{Reading, Rules};

@@ -13,7 +13,7 @@ use super::{Sink, SinkError, TABLE};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RulesVersion {
     pub version: u32,
-    pub rules: crate::dedup::Rules,
+    pub rules: crate::config::Rules,
     /// Per partition, the first offset decided under this version (a batch boundary);
     /// version 1 holds from the start of every partition.
     pub effective: BTreeMap<i32, i64>,
@@ -113,7 +113,7 @@ impl Sink {
     pub async fn register_rules(
         &self,
         topic: &str,
-        ours: &crate::dedup::Rules,
+        ours: &crate::config::Rules,
         topic_id: Option<&str>,
     ) -> Result<RulesHistory, SinkError> {
         let mut history = self.rules_history(topic).await?;
@@ -201,7 +201,7 @@ impl Sink {
         &self,
         topic: &str,
         version: u32,
-        rules: &crate::dedup::Rules,
+        rules: &crate::config::Rules,
         effective: &BTreeMap<i32, i64>,
         topic_id: &str,
     ) -> Result<(), SinkError> {

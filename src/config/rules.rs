@@ -9,7 +9,7 @@
 use serde::{Deserialize, Serialize};
 use siphasher::sip128::{Hasher128, SipHasher13};
 
-use super::clock::Secs;
+use crate::dedup::Secs;
 
 /// What shapes decisions, as recorded: durations in whole seconds, the fingerprint key
 /// only as an identifier (a keyed hash with public keys: names the key, reveals
