@@ -13,6 +13,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
+use crate::readiness::{ClaimsReport, RedisTrouble};
 use crate::status::board::StatusBoard;
 
 /// What `/readyz` and the status page report; shared by the pipeline, the flusher,
@@ -38,66 +39,6 @@ pub struct Health {
 /// The readiness reason of a member stopped at a record batch it cannot decode.
 pub const UNDECODABLE: &str = "kafka: the client cannot decode a record batch; consumption stopped, nothing past it \
      is counted or committed (see the log and clickagg_undecodable_batches_total)";
-
-/// Why Redis refuses claims; decides the readiness reason and the metric label.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum RedisTrouble {
-    Unreachable = 1,
-    OutOfMemory = 2,
-    ReadOnly = 3,
-    /// Claims wait while other partitions' dedup state is rebuilt from the log (after
-    /// the cache was lost).
-    Rebuilding = 4,
-}
-
-impl RedisTrouble {
-    pub const ALL: [RedisTrouble; 4] =
-        [RedisTrouble::Unreachable, RedisTrouble::OutOfMemory, RedisTrouble::ReadOnly, RedisTrouble::Rebuilding];
-
-    /// Reads a Redis error: OOM (maxmemory reached with noeviction) and READONLY (the
-    /// node became a replica, e.g. after a failover) are the two ways a reachable Redis
-    /// refuses writes; anything else counts as unreachable.
-    ///
-    /// Claims go in a pipeline, and a pipeline's error carries the server errors of its
-    /// commands: `code()` reports only the kinds the client knows (READONLY), not OOM,
-    /// so the codes are read from the server errors themselves.
-    pub fn of(error: &redis::RedisError) -> RedisTrouble {
-        let server = error.clone().into_server_errors();
-        let codes = server.iter().flat_map(|errors| errors.iter().map(|(_, e)| e.code()));
-        Self::of_codes(codes.chain(error.code()))
-    }
-
-    fn of_codes<'a>(codes: impl IntoIterator<Item = &'a str>) -> RedisTrouble {
-        let codes: Vec<&str> = codes.into_iter().collect();
-        if codes.contains(&"OOM") {
-            RedisTrouble::OutOfMemory
-        } else if codes.contains(&"READONLY") {
-            RedisTrouble::ReadOnly
-        } else {
-            RedisTrouble::Unreachable
-        }
-    }
-
-    /// The `kind` label of `clickagg_redis_errors_total`.
-    pub fn label(self) -> &'static str {
-        match self {
-            RedisTrouble::Unreachable => "unreachable",
-            RedisTrouble::OutOfMemory => "out_of_memory",
-            RedisTrouble::ReadOnly => "read_only",
-            RedisTrouble::Rebuilding => "rebuilding",
-        }
-    }
-
-    pub fn reason(self) -> &'static str {
-        match self {
-            RedisTrouble::Unreachable => "redis unreachable",
-            RedisTrouble::OutOfMemory => "redis out of memory: claims refused (raise maxmemory)",
-            RedisTrouble::ReadOnly => "redis read-only: claims refused (point redis.url at the master)",
-            RedisTrouble::Rebuilding => "dedup cache being rebuilt from the log after it was lost",
-        }
-    }
-}
 
 impl Health {
     pub fn new() -> Arc<Health> {
@@ -169,22 +110,15 @@ impl Health {
     }
 }
 
+impl ClaimsReport for Health {
+    fn claims(&self, trouble: Option<RedisTrouble>) {
+        self.set_claims_failing(trouble);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_refusal_is_read_from_any_server_error_of_a_pipeline() {
-        let server = |reply: &[u8]| redis::parse_redis_value(reply).unwrap().extract_error().unwrap_err();
-        assert_eq!(RedisTrouble::of(&server(b"-OOM command not allowed\r\n")), RedisTrouble::OutOfMemory);
-        assert_eq!(RedisTrouble::of(&server(b"-READONLY You can't write\r\n")), RedisTrouble::ReadOnly);
-        assert_eq!(RedisTrouble::of(&server(b"-ERR something else\r\n")), RedisTrouble::Unreachable);
-        let io = redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
-        assert_eq!(RedisTrouble::of(&io), RedisTrouble::Unreachable);
-        // What a pipeline's error yields: one code per failed command, unknown kinds too.
-        assert_eq!(RedisTrouble::of_codes(["ERR", "OOM"]), RedisTrouble::OutOfMemory);
-        assert_eq!(RedisTrouble::of_codes(["READONLY"]), RedisTrouble::ReadOnly);
-    }
 
     #[test]
     fn ready_is_redis_and_clickhouse_answering_and_claims_accepted_with_or_without_partitions() {

@@ -60,6 +60,7 @@ pub mod planner;
 pub mod position;
 pub mod produce;
 pub mod query;
+pub mod readiness;
 pub mod reconcile;
 pub mod replay;
 pub mod retry;

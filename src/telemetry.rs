@@ -232,7 +232,7 @@ pub fn metrics() -> PrometheusHandle {
 /// missing series reads as "no data", not as zero: a ratio or an alert over it would
 /// never be evaluated). The per-partition gauges appear with their partitions.
 /// `redis_error_kinds` are the `kind` labels of the Redis error counter
-/// (`health::RedisTrouble`), handed down so this module stays below the ones it labels.
+/// (`readiness::RedisTrouble`).
 pub fn register_zeroes(redis_error_kinds: &[&'static str]) {
     for name in [
         RECORDS_CONSUMED,

@@ -13,7 +13,7 @@ use super::claims::{ClaimCalls, ClaimReply, ClaimSender};
 use super::error::DedupError;
 use super::shared::SharedCache;
 use crate::dedup::{Claim, ClaimBatch, Sighting, Verdict};
-use crate::health::{Health, RedisTrouble};
+use crate::readiness::{ClaimsReport, RedisTrouble};
 use crate::retry::{Retry, Stopped};
 use crate::telemetry as t;
 
@@ -211,7 +211,7 @@ impl Claimer {
         cache: SharedCache,
         max_backoff: Duration,
         in_flight: usize,
-        health: Arc<Health>,
+        report: Arc<dyn ClaimsReport>,
     ) -> (Claimer, Verdicts) {
         let (tx, mut rx) = mpsc::unbounded_channel::<ClaimBatch>();
         let (answer_tx, answers) = mpsc::channel(in_flight.max(1) + 2);
@@ -246,7 +246,7 @@ impl Claimer {
                                         let transient = |e: &DedupError| {
                                             // The member loop pauses consumption while this is set.
                                             let trouble = e.trouble().unwrap_or(RedisTrouble::Unreachable);
-                                            health.set_claims_failing(Some(trouble));
+                                            report.claims(Some(trouble));
                                             metrics::counter!(t::REDIS_ERRORS, "kind" => trouble.label()).increment(1);
                                             metrics::counter!(t::REDIS_RETRIES).increment(1);
                                             if log_limit.allow("redis", std::time::Instant::now()).is_some() {
@@ -279,7 +279,7 @@ impl Claimer {
                             }
                         }
                         if answer.is_ok() {
-                            health.set_claims_failing(None);
+                            report.claims(None);
                         }
                         clock.mark("busy");
                         if answer_tx.send(answer).await.is_err() {

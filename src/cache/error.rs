@@ -4,7 +4,7 @@
 
 use redis::{ErrorKind, RedisError};
 
-use crate::health::RedisTrouble;
+use crate::readiness::RedisTrouble;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DedupError {
@@ -94,7 +94,7 @@ impl DedupError {
             _ if text.contains("cluster support disabled") => DedupError::Fatal(format!(
                 "{text} (redis.url names a Redis without cluster mode: unset redis.cluster)"
             )),
-            _ => DedupError::Transient { trouble: RedisTrouble::of(&e), message: text },
+            _ => DedupError::Transient { trouble: trouble_of(&e), message: text },
         }
     }
 
@@ -117,5 +117,47 @@ impl DedupError {
 
     pub fn is_lost(&self) -> bool {
         matches!(self, DedupError::Lost(_))
+    }
+}
+
+/// Reads a Redis error: OOM (maxmemory reached with noeviction) and READONLY (the
+/// node became a replica, e.g. after a failover) are the two ways a reachable Redis
+/// refuses writes; anything else counts as unreachable.
+///
+/// Claims go in a pipeline, and a pipeline's error carries the server errors of its
+/// commands: `code()` reports only the kinds the client knows (READONLY), not OOM,
+/// so the codes are read from the server errors themselves.
+pub(super) fn trouble_of(error: &RedisError) -> RedisTrouble {
+    let server = error.clone().into_server_errors();
+    let codes = server.iter().flat_map(|errors| errors.iter().map(|(_, e)| e.code()));
+    trouble_of_codes(codes.chain(error.code()))
+}
+
+fn trouble_of_codes<'a>(codes: impl IntoIterator<Item = &'a str>) -> RedisTrouble {
+    let codes: Vec<&str> = codes.into_iter().collect();
+    if codes.contains(&"OOM") {
+        RedisTrouble::OutOfMemory
+    } else if codes.contains(&"READONLY") {
+        RedisTrouble::ReadOnly
+    } else {
+        RedisTrouble::Unreachable
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refusal_is_read_from_any_server_error_of_a_pipeline() {
+        let server = |reply: &[u8]| redis::parse_redis_value(reply).unwrap().extract_error().unwrap_err();
+        assert_eq!(trouble_of(&server(b"-OOM command not allowed\r\n")), RedisTrouble::OutOfMemory);
+        assert_eq!(trouble_of(&server(b"-READONLY You can't write\r\n")), RedisTrouble::ReadOnly);
+        assert_eq!(trouble_of(&server(b"-ERR something else\r\n")), RedisTrouble::Unreachable);
+        let io = redis::RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert_eq!(trouble_of(&io), RedisTrouble::Unreachable);
+        // What a pipeline's error yields: one code per failed command, unknown kinds too.
+        assert_eq!(trouble_of_codes(["ERR", "OOM"]), RedisTrouble::OutOfMemory);
+        assert_eq!(trouble_of_codes(["READONLY"]), RedisTrouble::ReadOnly);
     }
 }

@@ -90,7 +90,7 @@ async fn run(s: Settings) -> Result<ExitCode> {
     let health = Health::new();
     health.status().set_identity(crate::status::Identity::of(&s));
     let metrics = telemetry::metrics();
-    telemetry::register_zeroes(&crate::health::RedisTrouble::ALL.map(|t| t.label()));
+    telemetry::register_zeroes(&crate::readiness::RedisTrouble::ALL.map(|t| t.label()));
     let http_stop = CancellationToken::new();
     if s.http.enabled {
         let (addr, _) = server::serve(s.http.addr, health.clone(), metrics.clone(), http_stop.clone())

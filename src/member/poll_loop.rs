@@ -205,7 +205,7 @@ impl Loop<'_> {
         shutdown: &CancellationToken,
     ) -> Result<(), PipelineError> {
         warn!(%lost, "the dedup cache lost what this member relied on; rebuilding every partition's state from the log");
-        self.health.set_claims_failing(Some(crate::health::RedisTrouble::Rebuilding));
+        self.health.set_claims_failing(Some(crate::readiness::RedisTrouble::Rebuilding));
         self.flusher.fence();
         // A flush being written may still write its pins: planning loads the pins, and one
         // written after it would contradict a decision made again in the new namespace.
