@@ -32,8 +32,9 @@ pub struct Health {
     /// Set for good once the Kafka client reported a record batch it cannot decode:
     /// consumption stops there (`member::poll_loop`), and only an operator can help.
     undecodable: AtomicBool,
-    /// Here because every stage that reports to it already holds the `Health`.
-    status: StatusBoard,
+    /// Here for the HTTP server and the flusher, which hold the `Health`; the stages
+    /// get a handle of their own ([`Health::board`]).
+    status: Arc<StatusBoard>,
 }
 
 /// The readiness reason of a member stopped at a record batch it cannot decode.
@@ -83,6 +84,11 @@ impl Health {
     /// The state behind `/status.json`.
     pub fn status(&self) -> &StatusBoard {
         &self.status
+    }
+
+    /// The status board, for the stages that record where their readers are.
+    pub fn board(&self) -> Arc<StatusBoard> {
+        self.status.clone()
     }
 
     /// `Ok` when ready, otherwise the reasons it is not.

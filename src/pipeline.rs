@@ -33,9 +33,9 @@ use crate::config::Settings;
 use crate::dedup::{
     Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict,
 };
-use crate::health::Health;
 use crate::position::{BatchOffsets, Scope, Start};
 use crate::source::Record;
+use crate::status::StatusBoard;
 use crate::telemetry::{self as t, RateLimiter};
 
 /// One flush on its way to ClickHouse (the `flusher` writes it, then commits).
@@ -115,7 +115,8 @@ pub struct Stages {
     /// with the next flush, before its commits (`clickagg_clocks`).
     clocks: Vec<Checkpoint>,
     pub totals: BatchStats,
-    health: Arc<Health>,
+    /// Where the readers are, for `/status.json`.
+    status: Arc<StatusBoard>,
     log_limit: RateLimiter,
     /// Every record applied, with its verdict, while a caller traces (`explain --records`).
     trace: Option<Vec<Traced>>,
@@ -292,7 +293,7 @@ impl Prepared {
 }
 
 impl Stages {
-    pub fn new(cfg: StagesConfig, health: Arc<Health>) -> Stages {
+    pub fn new(cfg: StagesConfig, status: Arc<StatusBoard>) -> Stages {
         Stages {
             agg: Aggregator::new(cfg.batch_offsets),
             max_record_lag: cfg.max_record_lag,
@@ -305,7 +306,7 @@ impl Stages {
             carried: Flush::default(),
             clocks: Vec::new(),
             totals: BatchStats::default(),
-            health,
+            status,
             log_limit: RateLimiter::new(Duration::from_secs(5)),
             trace: None,
         }
@@ -342,7 +343,7 @@ impl Stages {
                 );
             }
             self.generation += 1;
-            self.health.status().reading(&start);
+            self.status.reading(&start);
             self.readers.insert(p, Reader::new(start, pins, self.generation));
         }
         self.publish_assignment();
@@ -363,7 +364,7 @@ impl Stages {
             self.private.forget(p);
             self.readers.remove(&p);
         }
-        self.health.status().revoked(partitions);
+        self.status.revoked(partitions);
         self.publish_assignment();
         job
     }
@@ -405,7 +406,7 @@ impl Stages {
                 verdict: None,
             });
         }
-        self.health.status().read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
+        self.status.read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
         self.record_lag(&items);
         let mut claims = Vec::new();
         let mut claimed = Vec::new();
@@ -679,7 +680,7 @@ impl Stages {
         metrics::counter!(t::DEDUP_REBUILDS, "reason" => why.as_str()).increment(1);
         self.private.forget(partition);
         self.generation += 1;
-        self.health.status().reading(&start);
+        self.status.reading(&start);
         let floor = self.readers.get(&partition).map_or(start.commit_floor, |r| r.commit_floor);
         let mut reader = Reader::new(start, pins, self.generation);
         reader.commit_floor = reader.commit_floor.max(floor);

@@ -508,7 +508,7 @@ async fn run_plan(
         fatal: fatal.clone(),
     });
     // No shared cache: every reader of a replay is private, and nothing of it touches Redis.
-    let mut stages = Stages::new(StagesConfig::from_settings(s), health);
+    let mut stages = Stages::new(StagesConfig::from_settings(s), health.board());
     let mut planner = Planner::for_replay(s, sink.clone())?;
     stages.assign(with_pins);
 
@@ -594,7 +594,7 @@ pub async fn trace(
     let within = counted.clone();
     let Plan { starts, read, .. } = plan_starts(s, sink, counted, lows).await?;
     let never = CancellationToken::new();
-    let mut stages = Stages::new(StagesConfig::from_settings(s), Health::new());
+    let mut stages = Stages::new(StagesConfig::from_settings(s), Default::default());
     stages.trace_records();
     let mut planner = Planner::for_replay(s, sink.clone())?;
     stages.assign(starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect());
@@ -781,7 +781,7 @@ mod tests {
             max_record_lag: Duration::from_secs(3600),
             dead_letters: false,
         };
-        let mut stages = Stages::new(cfg, Health::new());
+        let mut stages = Stages::new(cfg, Default::default());
         let start = |partition| Start {
             partition,
             read_from: 0,

@@ -21,6 +21,7 @@ use crate::reconcile::ReconcileArgs;
 use crate::replay::ReplayArgs;
 use crate::server;
 use crate::sink::Sink;
+use crate::status::Identity;
 use crate::telemetry;
 use crate::verify;
 use cli::{Command, MigrateArgs, ProduceArgs, SealArgs, VerifyArgs};
@@ -88,7 +89,9 @@ async fn run(s: Settings) -> Result<ExitCode> {
     let shutdown = CancellationToken::new();
     cancel_on_signals(shutdown.clone());
     let health = Health::new();
-    health.status().set_identity(crate::status::Identity::of(&s));
+    let client_id = crate::source::member_client_id(&s.kafka);
+    let identity = Identity::new(client_id, s.kafka.group.clone(), s.kafka.topic.clone(), s.batch_offsets());
+    health.status().set_identity(identity);
     let metrics = telemetry::metrics();
     telemetry::register_zeroes(&crate::readiness::RedisTrouble::ALL.map(|t| t.label()));
     let http_stop = CancellationToken::new();

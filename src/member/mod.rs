@@ -140,7 +140,7 @@ impl Member {
         }));
         let (claimer, verdicts) =
             Claimer::start(cache.handle(), s.pipeline.max_backoff, s.pipeline.claims_in_flight, self.health.clone());
-        let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.clone())));
+        let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.board())));
         let planner = Arc::new(Mutex::new(Planner::for_member(s, sink, cache, rules)));
         let paused = Arc::new(AtomicBool::new(false));
         let context = GroupContext {

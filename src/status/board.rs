@@ -21,7 +21,6 @@ use serde::Serialize;
 
 use super::window::{History, Reading, FRESHNESS_WINDOW_SECONDS, RATE_WINDOW_SECONDS};
 use crate::click::Minute;
-use crate::config::Settings;
 use crate::dedup::Secs;
 use crate::position::BatchOffsets;
 use crate::position::{Scope, Start};
@@ -45,15 +44,16 @@ pub struct Identity {
 }
 
 impl Identity {
-    /// This process as a member of `s`'s group, started now.
-    pub fn of(s: &Settings) -> Identity {
+    /// This process, started now, as the member `client_id` of `group` reading `topic`
+    /// in batches of `batch_offsets`.
+    pub fn new(client_id: String, group: String, topic: String, batch_offsets: BatchOffsets) -> Identity {
         Identity {
-            client_id: crate::source::member_client_id(&s.kafka),
-            group: s.kafka.group.clone(),
-            topic: s.kafka.topic.clone(),
+            client_id,
+            group,
+            topic,
             version: env!("CARGO_PKG_VERSION"),
             started_at: chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ").to_string(),
-            batch_offsets: s.batch_offsets(),
+            batch_offsets,
         }
     }
 }
@@ -328,9 +328,9 @@ mod tests {
 
     fn board() -> StatusBoard {
         let b = StatusBoard::default();
-        let mut s = Settings::default();
-        s.pipeline.batch_offsets = 1000;
-        b.set_identity(Identity::of(&s));
+        let s = crate::config::Settings::default();
+        let n = BatchOffsets::new(1000).unwrap();
+        b.set_identity(Identity::new("clickagg-test".into(), s.kafka.group.clone(), s.kafka.topic.clone(), n));
         b
     }
 
