@@ -45,8 +45,7 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::types::RDKafkaErrorCode;
 
-use crate::config::KafkaSettings;
-use crate::source::{producer_config, Record, Rejected};
+use crate::record::{Record, Rejected};
 
 pub const REASON: &str = "clickagg-reason";
 pub const DETAIL: &str = "clickagg-detail";
@@ -128,8 +127,14 @@ pub struct DeadLetters {
 }
 
 impl DeadLetters {
-    pub fn new(k: &KafkaSettings, topic: String, origin: &'static str) -> Result<DeadLetters, KafkaError> {
-        let mut config = producer_config(k);
+    /// A producer of dead letters to `topic` for the records of `source_topic`, built
+    /// from `config` (the Kafka client settings, `source::producer_config`).
+    pub fn new(
+        mut config: ClientConfig,
+        source_topic: &str,
+        topic: String,
+        origin: &'static str,
+    ) -> Result<DeadLetters, KafkaError> {
         // A dead letter may be produced twice anyway (a re-read produces it again; the
         // source-position headers identify copies), so idempotence buys nothing here,
         // while its producer-ID state can keep a producer from delivering after a broker
@@ -140,7 +145,7 @@ impl DeadLetters {
             .set("message.timeout.ms", DELIVERY_TIMEOUT.as_millis().to_string());
         let max_bytes = max_message_bytes(&config);
         let producer: FutureProducer = config.create()?;
-        Ok(DeadLetters { producer, config, topic, source_topic: k.topic.clone(), origin, max_bytes })
+        Ok(DeadLetters { producer, config, topic, source_topic: source_topic.to_string(), origin, max_bytes })
     }
 
     /// Replaces the producer after a failed send, so a producer wedged by a broker
@@ -409,6 +414,8 @@ mod tests {
 
     #[test]
     fn the_limit_is_the_producers_message_max_bytes() {
+        use crate::config::KafkaSettings;
+        use crate::source::producer_config;
         let mut k = KafkaSettings::default();
         assert_eq!(max_message_bytes(&producer_config(&k)), 1_000_000);
         k.properties.insert("message.max.bytes".into(), crate::config::Secret::new("2000000"));

@@ -28,9 +28,9 @@ use crate::cache::{DedupError, SharedCache};
 use crate::dead_letter::DeadLetters;
 use crate::health::Health;
 pub use crate::pipeline::Job;
+use crate::record::Record;
 use crate::retry::{FatalSignal, Retry, Retryable, Stopped};
 use crate::sink::{Sink, SinkError, Writer};
-use crate::source::Record;
 use crate::telemetry::{self as t, RateLimiter};
 
 /// Sends the commits a durable flush allows (the group consumer's `commit`).

@@ -62,6 +62,7 @@ pub mod produce;
 pub mod query;
 pub mod readiness;
 pub mod reconcile;
+pub mod record;
 pub mod replay;
 pub mod retry;
 pub mod schema_registry;

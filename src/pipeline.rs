@@ -34,7 +34,7 @@ use crate::dedup::{
     Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict,
 };
 use crate::position::{BatchOffsets, Scope, Start};
-use crate::source::Record;
+use crate::record::Record;
 use crate::status::StatusBoard;
 use crate::telemetry::{self as t, RateLimiter};
 

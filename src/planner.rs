@@ -26,9 +26,10 @@ use crate::dedup::{PartitionClock, Pin, Secs};
 use crate::pipeline::{hold, Distrust, RecordedPins, Stages};
 use crate::position::BatchOffsets;
 use crate::position::{self, Boundary, Marks, Scope, Start};
+use crate::record::Record;
 use crate::retry::{self, Retry, Stopped};
 use crate::sink::{RulesHistory, Sink, SinkError};
-use crate::source::{self, Record};
+use crate::source;
 use crate::telemetry as t;
 
 #[derive(Debug, thiserror::Error)]

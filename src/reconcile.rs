@@ -113,7 +113,7 @@ pub async fn reconcile(s: &Settings, args: &ReconcileArgs) -> Result<Report> {
     let mut clocks: BTreeMap<i32, Timeline> = marks.iter().map(|(&p, m)| (p, Timeline::new(m.lookback.1))).collect();
     let mut expected: BTreeMap<BucketKey, u64> = BTreeMap::new();
     let (mut scanned, mut warmup) = (0u64, 0u64);
-    let mut reader = RangeReader::for_settings(s, "reconcile", &read)?;
+    let mut reader = RangeReader::for_settings(s, "reconcile", &read, crate::schema_registry::decoder(s)?)?;
     while let Some(batch) = reader.next_batch().await.context("reading the topic")? {
         for r in batch {
             let fingerprint = r.outcome.as_ref().ok().map(|c| c.click_id.0);

@@ -490,7 +490,7 @@ async fn run_plan(
     let dead_letters = if s.dead_letter.enabled && !args.no_dead_letters {
         let topic = s.dead_letter_topic();
         source::ensure_topic(&s.kafka, &topic, 1).await?;
-        Some(DeadLetters::new(&s.kafka, topic, "replay")?)
+        Some(DeadLetters::new(source::producer_config(&s.kafka), &s.kafka.topic, topic, "replay")?)
     } else {
         None
     };
@@ -512,7 +512,7 @@ async fn run_plan(
     let mut planner = Planner::for_replay(s, sink.clone())?;
     stages.assign(with_pins);
 
-    let mut reader = RangeReader::for_settings(s, "replay", &read)?;
+    let mut reader = RangeReader::for_settings(s, "replay", &read, crate::schema_registry::decoder(s)?)?;
     let progress = Progress::new(&read);
     let mut last_flush = Instant::now();
     loop {
@@ -598,7 +598,7 @@ pub async fn trace(
     stages.trace_records();
     let mut planner = Planner::for_replay(s, sink.clone())?;
     stages.assign(starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect());
-    let mut reader = RangeReader::for_settings(s, "explain", &read)?;
+    let mut reader = RangeReader::for_settings(s, "explain", &read, crate::schema_registry::decoder(s)?)?;
     reader.keep_click_ids(within);
     let mut traced = Vec::new();
     while let Some(records) = reader.next_batch().await.context("reading the topic")? {
@@ -753,10 +753,10 @@ mod tests {
     }
 
     /// One new click of ad 1 in the same minute at every offset of `offsets`.
-    fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<crate::source::Record> {
+    fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<crate::record::Record> {
         const T0: u32 = 1_795_996_800;
         offsets
-            .map(|offset| crate::source::Record {
+            .map(|offset| crate::record::Record {
                 partition,
                 offset,
                 timestamp_ms: Some(i64::from(T0) * 1000),

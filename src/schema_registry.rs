@@ -27,26 +27,10 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::click::{Known, Schema, WireFormat};
-use crate::config::{ConfigError, SchemaRegistrySettings, SourceSettings};
-use crate::retry::{Retry, Retryable, Stopped};
+use crate::config::{ConfigError, Format, SchemaRegistrySettings, Settings, SourceSettings};
+use crate::record::{Decoder, RegistryError, Schemas};
+use crate::retry::{Retry, Stopped};
 use crate::telemetry as t;
-
-/// Why a registry request failed.
-#[derive(Debug, thiserror::Error)]
-pub enum RegistryError {
-    /// No answer, a timeout, 5xx: waited out.
-    #[error("schema registry unavailable: {0}")]
-    Unavailable(String),
-    /// Refused credentials and other answers no retry changes.
-    #[error("schema registry: {0}")]
-    Fatal(String),
-}
-
-impl Retryable for RegistryError {
-    fn is_fatal(&self) -> bool {
-        matches!(self, RegistryError::Fatal(_))
-    }
-}
 
 type Https = hyper_tls::HttpsConnector<HttpConnector>;
 
@@ -116,6 +100,46 @@ impl SchemaRegistry {
     /// What the registry said of `id`, if it was asked.
     pub fn known(&self, id: u32) -> Option<Known> {
         self.known.read().expect("not poisoned").get(&id).cloned()
+    }
+}
+
+/// The decoder every reader of these settings uses (a member, a replay, reconcile,
+/// explain): these limits, this fingerprint key, this format (`source.format`) and, for
+/// Avro and Protobuf, the schemas from the registry or the files `s` names.
+pub fn decoder(s: &Settings) -> Result<Decoder, ConfigError> {
+    let format = match s.source.format {
+        Format::Json => None,
+        Format::Avro => Some(WireFormat::Avro),
+        Format::Protobuf => Some(WireFormat::Protobuf),
+    };
+    let schemas: Option<Arc<dyn Schemas>> = match format {
+        Some(f) => Some(Arc::new(SchemaRegistry::new(&s.source, f)?)),
+        None => None,
+    };
+    Ok(Decoder {
+        limits: s.validation.limits(),
+        fingerprints: crate::dedup::Fingerprinter::new(s.dedup.fingerprint_key.expose()),
+        schemas,
+    })
+}
+
+impl Schemas for SchemaRegistry {
+    fn format(&self) -> WireFormat {
+        SchemaRegistry::format(self)
+    }
+
+    fn known(&self, id: u32) -> Option<Known> {
+        SchemaRegistry::known(self, id)
+    }
+
+    fn resolve<'a>(
+        &'a self,
+        ids: Vec<u32>,
+        max_backoff: Duration,
+        shutdown: &'a CancellationToken,
+        answering: &'a (dyn Fn(bool) + Send + Sync),
+    ) -> futures_util::future::BoxFuture<'a, Result<(), Stopped<RegistryError>>> {
+        Box::pin(SchemaRegistry::resolve(self, ids, max_backoff, shutdown, move |outage| answering(outage.is_none())))
     }
 }
 

@@ -116,7 +116,7 @@ impl Member {
         let dead_letters = if s.dead_letter.enabled {
             let topic = s.dead_letter_topic();
             source::ensure_topic(&s.kafka, &topic, 1).await?;
-            Some(DeadLetters::new(&s.kafka, topic, "run")?)
+            Some(DeadLetters::new(source::producer_config(&s.kafka), &s.kafka.topic, topic, "run")?)
         } else {
             None
         };

@@ -22,7 +22,7 @@ use crate::health::Health;
 use crate::pipeline::{Prepared, Stages};
 use crate::planner::{stopped_while, PipelineError, Planner};
 use crate::retry::{FatalSignal, Retry};
-use crate::source::{self, Record};
+use crate::source;
 use crate::telemetry::{self as t, RateLimiter};
 
 /// How often the loop tells the sweeper which partitions lag (`Loop::give_holds`).
@@ -75,7 +75,7 @@ impl Loop<'_> {
         let max_in_flight = s.pipeline.claims_in_flight + 1;
         let mut in_flight: VecDeque<Prepared> = VecDeque::new();
         let kafka_log = RateLimiter::new(Duration::from_secs(5));
-        let decoder = crate::source::Decoder::from_settings(s)?;
+        let decoder = crate::schema_registry::decoder(s)?;
         // Set when a claim found the dedup cache lost: no more batches are read until
         // those in flight are answered, then every partition starts over.
         let mut lost: Option<Lost> = None;
@@ -159,7 +159,7 @@ impl Loop<'_> {
                     let mut records = Vec::with_capacity(chunk.len());
                     for message in chunk {
                         match message {
-                            Ok(msg) => records.push(Record::decode(&msg, &decoder)),
+                            Ok(msg) => records.push(source::decode(&msg, &decoder)),
                             Err(e) => {
                                 metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
                                 if source::is_fatal_kafka(e.rdkafka_error_code()) {

@@ -12,7 +12,7 @@
 
 mod record;
 
-pub use record::{Decoder, Record, Rejected};
+pub use record::decode;
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -25,8 +25,8 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message;
 use rdkafka::{Offset, TopicPartitionList};
 
-use crate::config::{ConfigError, KafkaSettings, Settings};
-use crate::schema_registry::RegistryError;
+use crate::config::{KafkaSettings, Settings};
+use crate::record::{Decoder, Record, RegistryError};
 
 /// The high watermark of `partition` as the consumer last heard it from the broker (no
 /// request is sent): whether a reader is caught up, cheaply.
@@ -451,8 +451,6 @@ pub enum ReadError {
     Kafka(#[from] KafkaError),
     #[error(transparent)]
     Schemas(RegistryError),
-    #[error(transparent)]
-    Config(#[from] ConfigError),
 }
 
 /// Reads [`Ranges`] with a directly assigned consumer (no group membership, no
@@ -475,9 +473,9 @@ pub type ClickIds = std::collections::BTreeMap<(i32, i64), String>;
 impl RangeReader {
     /// A reader of `ranges` for a process of `role` (`replay`, `reconcile`): a group name
     /// of its own (it commits nothing), the settings' decoder and poll size.
-    pub fn for_settings(s: &Settings, role: &str, ranges: &Ranges) -> Result<RangeReader, ReadError> {
+    pub fn for_settings(s: &Settings, role: &str, ranges: &Ranges, decoder: Decoder) -> Result<RangeReader, ReadError> {
         let group = format!("{}-{role}", s.kafka.group);
-        Ok(RangeReader::new(&s.kafka, &group, ranges, Decoder::from_settings(s)?, s.pipeline.max_poll_records)?)
+        Ok(RangeReader::new(&s.kafka, &group, ranges, decoder, s.pipeline.max_poll_records)?)
     }
 
     pub fn new(
@@ -569,7 +567,7 @@ impl RangeReader {
                         crate::retry::Stopped::Fatal(e) => ReadError::Schemas(e),
                         crate::retry::Stopped::ShutDown => unreachable!("never cancelled"),
                     })?;
-                    out.push(Record::decode(&msg, decoder));
+                    out.push(decode(&msg, decoder));
                     if let Some((within, kept)) = kept_ids {
                         let (p, o) = (msg.partition(), msg.offset());
                         if within.partitions.get(&p).is_some_and(|&(start, end)| (start..end).contains(&o)) {

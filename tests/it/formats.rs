@@ -16,8 +16,9 @@ use clickagg::aggregate::BucketKey;
 use clickagg::click::{Known, RejectReason, WireFormat};
 use clickagg::config::{SecretUrl, SourceSettings};
 use clickagg::produce::{self, Encoding, Kind, Spec, UNKNOWN_SCHEMA_ID};
+use clickagg::record::RegistryError;
 use clickagg::retry::Stopped;
-use clickagg::schema_registry::{RegistryError, SchemaRegistry};
+use clickagg::schema_registry::SchemaRegistry;
 use tokio_util::sync::CancellationToken;
 
 use crate::helpers::registry::{register, registry_url, require_registry};

@@ -19,14 +19,9 @@ const CONVERGE: Duration = Duration::from_secs(180);
 async fn counts_below(env: &TestEnv, ends: &BTreeMap<i32, i64>) -> BTreeMap<BucketKey, u64> {
     let ranges = Ranges { partitions: ends.iter().map(|(&p, &e)| (p, (0, e))).collect() };
     let s = env.settings();
-    let mut reader = RangeReader::new(
-        &s.kafka,
-        "prefix-reader",
-        &ranges,
-        clickagg::source::Decoder::from_settings(&s).unwrap(),
-        5_000,
-    )
-    .unwrap();
+    let mut reader =
+        RangeReader::new(&s.kafka, "prefix-reader", &ranges, clickagg::schema_registry::decoder(&s).unwrap(), 5_000)
+            .unwrap();
     let mut seen = HashSet::new();
     let mut counts = BTreeMap::new();
     while let Some(batch) = reader.next_batch().await.unwrap() {
