@@ -12,18 +12,17 @@
 //! it (the same totals give the same rows); after it, the close is complete.
 
 use std::collections::BTreeMap;
-use std::fmt::Write as _;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
-use serde::Serialize;
 
 use crate::click::rfc3339;
 use crate::config::Settings;
+use crate::seal::adjust::Closed;
 use crate::sealing::period::{close_id, parse_period, Period, PeriodKind};
-use crate::sink::periods::{AdjustmentRow, Close};
-use crate::sink::{Sink, SinkError};
+use crate::sink::periods::Close;
+use crate::sink::Sink;
 
 /// Exit code of a close refused because the period is not sealed (guide, "Exit codes").
 pub const EXIT_NOT_SEALED: u8 = 4;
@@ -49,58 +48,6 @@ pub struct CloseArgs {
     pub force: bool,
     #[arg(long, value_enum, default_value_t = CloseFormat::Table)]
     pub format: CloseFormat,
-}
-
-/// What `close` reports: the close that stands for the period.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct Closed {
-    pub topic: String,
-    pub period: &'static str,
-    /// `2026-11-30` or `2026-11`.
-    pub date: String,
-    pub start: String,
-    pub end: String,
-    /// The content hash of the totals, hex.
-    pub close_id: String,
-    pub ads: u64,
-    pub clicks: u64,
-    /// Per partition, the group's committed offset when it was closed (null: none).
-    pub positions: serde_json::Value,
-    pub forced: bool,
-    pub closed_at: String,
-    /// Whether this run closed it (false: it was closed already, nothing written).
-    pub closed_now: bool,
-}
-
-impl Closed {
-    pub fn new(topic: &str, period: Period, c: &Close, closed_now: bool) -> Closed {
-        Closed {
-            topic: topic.to_string(),
-            period: period.kind.word(),
-            date: period.label(),
-            start: rfc3339(period.start),
-            end: rfc3339(period.end()),
-            close_id: format!("{:016x}", c.close_id),
-            ads: c.ads,
-            clicks: c.clicks,
-            positions: serde_json::from_str(&c.positions).unwrap_or(serde_json::Value::Null),
-            forced: c.forced == 1,
-            closed_at: rfc3339(c.closed_at),
-            closed_now,
-        }
-    }
-
-    pub fn table(&self) -> String {
-        let mut out = String::new();
-        let how = if self.closed_now { "closed" } else { "already closed (nothing written)" };
-        let _ = writeln!(out, "{} {} of topic {}: {how}", self.period, self.date, self.topic);
-        let _ = writeln!(out, "  period     {} .. {}", self.start, self.end);
-        let _ = writeln!(out, "  totals     {} clicks of {} ads", self.clicks, self.ads);
-        let _ = writeln!(out, "  close id   {}", self.close_id);
-        let _ = writeln!(out, "  positions  {}", self.positions);
-        let _ = writeln!(out, "  closed at  {}{}", self.closed_at, if self.forced { " (forced)" } else { "" });
-        out
-    }
 }
 
 /// Why a period may not be closed now.
@@ -187,121 +134,6 @@ async fn committed_positions(s: &Settings) -> Result<String> {
     let committed: BTreeMap<String, Option<i64>> =
         offsets.into_iter().map(|(p, (committed, _, _))| (p.to_string(), committed)).collect();
     Ok(serde_json::to_string(&committed).expect("offsets serialize"))
-}
-
-/// One ad of a period side by side: its closed total, the adjustments since, and its
-/// current total (`query --period … --with-adjustments`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct AdView {
-    pub ad_id: u64,
-    /// `None`: the period is not closed.
-    pub closed: Option<u64>,
-    /// The sum of the adjustments.
-    pub adjusted: i64,
-    pub adjustments: Vec<AdjustmentRow>,
-    pub current: u64,
-}
-
-/// A period: its close (if closed), and per ad closed, adjustments and current.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct PeriodView {
-    pub topic: String,
-    pub period: &'static str,
-    pub date: String,
-    pub close: Option<Closed>,
-    pub ads: Vec<AdView>,
-}
-
-impl PeriodView {
-    /// Reads the view of `period` for `ads` (every ad when empty).
-    pub async fn read(sink: &Sink, topic: &str, period: Period, ads: &[u64]) -> Result<PeriodView, SinkError> {
-        let close = sink.close_of(topic, period).await?;
-        let closed = match &close {
-            Some(c) => Some(sink.closed_totals(topic, c).await?),
-            None => None,
-        };
-        let mut adjustments: BTreeMap<u64, Vec<AdjustmentRow>> = BTreeMap::new();
-        for a in sink.adjustments_of(topic, period).await? {
-            adjustments.entry(a.ad_id).or_default().push(a);
-        }
-        let current = crate::seal::adjust::current_totals(sink, topic, period).await?;
-        let mut all: std::collections::BTreeSet<u64> = current.keys().copied().collect();
-        all.extend(closed.iter().flat_map(|c| c.keys().copied()));
-        all.extend(adjustments.keys().copied());
-        if !ads.is_empty() {
-            all.retain(|ad| ads.contains(ad));
-        }
-        let ads = all
-            .into_iter()
-            .map(|ad_id| {
-                let adjustments = adjustments.remove(&ad_id).unwrap_or_default();
-                AdView {
-                    ad_id,
-                    closed: closed.as_ref().map(|c| c.get(&ad_id).copied().unwrap_or(0)),
-                    adjusted: adjustments.iter().map(|a| a.delta).sum(),
-                    adjustments,
-                    current: current.get(&ad_id).copied().unwrap_or(0),
-                }
-            })
-            .collect();
-        Ok(PeriodView {
-            topic: topic.to_string(),
-            period: period.kind.word(),
-            date: period.label(),
-            close: close.map(|c| Closed::new(topic, period, &c, false)),
-            ads,
-        })
-    }
-
-    pub fn table(&self) -> String {
-        let mut out = String::new();
-        match &self.close {
-            Some(c) => {
-                let forced = if c.forced { " (forced)" } else { "" };
-                let _ = writeln!(
-                    out,
-                    "{} {} of topic {}: closed at {}{forced}, close id {}",
-                    self.period, self.date, self.topic, c.closed_at, c.close_id
-                );
-            }
-            None => {
-                let _ = writeln!(out, "{} {} of topic {}: not closed", self.period, self.date, self.topic);
-            }
-        }
-        let _ = writeln!(
-            out,
-            "{:>20}  {:>10}  {:>11}  {:>18}  {:>10}",
-            "ad_id", "closed", "adjustments", "closed+adjustments", "current"
-        );
-        let (mut closed, mut adjusted, mut current) = (0u64, 0i64, 0u64);
-        let cell = |v: Option<i64>| v.map_or("-".to_string(), |v| v.to_string());
-        for a in &self.ads {
-            closed += a.closed.unwrap_or(0);
-            adjusted += a.adjusted;
-            current += a.current;
-            let billed = a.closed.map(|c| c as i64 + a.adjusted);
-            let _ = writeln!(
-                out,
-                "{:>20}  {:>10}  {:>11}  {:>18}  {:>10}",
-                a.ad_id,
-                cell(a.closed.map(|c| c as i64)),
-                format!("{:+}", a.adjusted),
-                cell(billed),
-                a.current
-            );
-        }
-        let is_closed = self.close.is_some();
-        let _ = writeln!(
-            out,
-            "{:<20}  {:>10}  {:>11}  {:>18}  {:>10}",
-            "total",
-            cell(is_closed.then_some(closed as i64)),
-            format!("{adjusted:+}"),
-            cell(is_closed.then_some(closed as i64 + adjusted)),
-            current
-        );
-        out
-    }
 }
 
 #[cfg(test)]

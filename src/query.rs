@@ -202,7 +202,7 @@ pub async fn run(settings: &Settings, args: &QueryArgs) -> Result<ExitCode> {
     let sink = Sink::new(&settings.clickhouse).with_seal_slack(settings.seal.slack);
     if let (Some(period), true) = (args.period, args.with_adjustments) {
         let topic = args.only_topic.as_deref().unwrap_or(&settings.kafka.topic);
-        let view = crate::close::PeriodView::read(&sink, topic, period, &args.ads)
+        let view = crate::seal::adjust::PeriodView::read(&sink, topic, period, &args.ads)
             .await
             .with_context(|| format!("reading the close and adjustments in database {}", sink.database()))?;
         match args.format {
