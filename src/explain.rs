@@ -16,16 +16,18 @@ use std::fmt::Write as _;
 use anyhow::{Context, Result};
 use chrono::{DateTime, Utc};
 use clap::{Args, ValueEnum};
-use rdkafka::consumer::Consumer as _;
+use rdkafka::consumer::{CommitMode, Consumer as _};
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::click::{rfc3339, Minute};
 use crate::config::Settings;
 use crate::dedup::Verdict;
-use crate::pipeline::Traced;
+use crate::pipeline::{RecordedPins, Stages, StagesConfig, Traced};
+use crate::planner::{plan_replay, Planner, ReplayPlan};
 use crate::sink::read::BatchOfCount;
 use crate::sink::{read_version, Sink, Writer};
-use crate::source::{self, ClickIds, Ranges};
+use crate::source::{self, ClickIds, RangeReader, Ranges};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ExplainFormat {
@@ -303,20 +305,52 @@ async fn read_records(s: &Settings, sink: &Sink, e: &mut Explanation, ad_id: u64
             }
             let rules = history.at(p, first);
             let (_, ranges) = by_version.entry(rules.map_or(1, |v| v.version)).or_insert_with(|| {
-                (rules.map_or_else(|| on.clone(), |v| crate::replay::settings_of(&on, &v.rules)), Ranges::default())
+                (rules.map_or_else(|| on.clone(), |v| on.with_recorded(&v.rules)), Ranges::default())
             });
             let range = ranges.partitions.entry(p).or_insert((first, last + 1));
             *range = (range.0.min(first), range.1.max(last + 1));
         }
         let (mut traced, mut ids) = (Vec::new(), ClickIds::new());
         for (under, ranges) in by_version.into_values() {
-            let (more, more_ids) = crate::replay::trace(&under, sink, ranges, &lows).await?;
+            let (more, more_ids) = trace(&under, sink, ranges, &lows).await?;
             traced.extend(more);
             ids.extend(more_ids);
         }
         e.add_records(ad_id, minute, &topic, &traced, &ids);
     }
     Ok(())
+}
+
+/// What a re-read decides for every record of `counted` (and of the warm-up before it),
+/// with the click IDs of `counted`: the stages of a replay (private state, the recorded
+/// pins) under settings `s`, with nothing written anywhere.
+async fn trace(
+    s: &Settings,
+    sink: &Sink,
+    counted: Ranges,
+    lows: &BTreeMap<i32, i64>,
+) -> Result<(Vec<Traced>, ClickIds)> {
+    let within = counted.clone();
+    let ReplayPlan { starts, read, .. } = plan_replay(s, sink, counted, lows).await?;
+    let never = CancellationToken::new();
+    let mut stages = Stages::new(StagesConfig::from_settings(s), Default::default());
+    stages.trace_records();
+    let mut planner = Planner::for_replay(s, sink.clone())?;
+    stages.assign(starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect());
+    let mut reader = RangeReader::for_settings(s, "explain", &read, crate::schema_registry::decoder(s)?)?;
+    reader.keep_click_ids(within);
+    let mut traced = Vec::new();
+    while let Some(records) = reader.next_batch().await.context("reading the topic")? {
+        planner.ensure_pins(&mut stages, &records, &never, s.pipeline.max_backoff).await?;
+        let prepared = stages.prepare(records);
+        stages.apply(prepared, Vec::new());
+        traced.extend(stages.take_trace());
+        // The rows are not written: drop them as they pile up.
+        if stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets {
+            stages.cut(CommitMode::Async);
+        }
+    }
+    Ok((traced, reader.take_click_ids()))
 }
 
 #[cfg(test)]

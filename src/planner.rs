@@ -476,6 +476,54 @@ pub async fn marks(
     marks_from(sink, topic, at, &nears, window, None).await
 }
 
+/// What a private reader reads (a replay, `explain --records`): per partition, where it
+/// starts (counting from a batch boundary, after the warm-up that rebuilds its dedup
+/// state) and where it ends.
+#[derive(Debug, Clone)]
+pub struct ReplayPlan {
+    pub starts: Vec<Start>,
+    /// The offsets counted, `[count_from, end)`.
+    pub counted: source::Ranges,
+    /// The offsets read, warm-up included, `[read_from, end)`.
+    pub read: source::Ranges,
+}
+
+/// Where each partition's private reader starts to count `counted` under settings `s`:
+/// from its batch boundary, after the warm-up that rebuilds its dedup state from the
+/// log (`lows`: each partition's log start).
+pub async fn plan_replay(
+    s: &Settings,
+    sink: &Sink,
+    counted: source::Ranges,
+    lows: &BTreeMap<i32, i64>,
+) -> Result<ReplayPlan, SinkError> {
+    let at = counted
+        .partitions
+        .iter()
+        .map(|(&p, &(start, _))| (p, Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
+        .collect();
+    let marks = marks(sink, &s.kafka.topic, &at, s.rules().window()).await?;
+    let starts: Vec<Start> = marks.iter().map(|(&p, &m)| position::private_start(p, m, None)).collect();
+    for st in &starts {
+        let low = lows[&st.partition];
+        if st.read_from == low && low > 0 && st.read_from < st.count_from {
+            warn!(
+                partition = st.partition,
+                log_start = low,
+                "retention removed part of the window before the replayed range: a retry whose original \
+                 was deleted counts as a new click"
+            );
+        }
+    }
+    let read = source::Ranges {
+        partitions: starts
+            .iter()
+            .map(|st| (st.partition, (st.read_from, counted.partitions[&st.partition].1)))
+            .collect(),
+    };
+    Ok(ReplayPlan { starts, counted, read })
+}
+
 /// The nearest recorded clock at or below each boundary of `at`: its offset and the
 /// clock just before it, or the log start and a fresh clock where nothing is recorded.
 async fn nears(

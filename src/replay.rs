@@ -29,7 +29,7 @@ use crate::dead_letter::DeadLetters;
 use crate::flusher::{Flusher, FlusherConfig};
 use crate::health::Health;
 use crate::pipeline::{BatchStats, RecordedPins, Stages, StagesConfig};
-use crate::planner::Planner;
+use crate::planner::{Planner, ReplayPlan};
 use crate::position::BatchOffsets;
 use crate::position::{self, Start};
 use crate::retry::FatalSignal;
@@ -127,17 +127,6 @@ pub fn plan_ranges(n: BatchOffsets, marks: &BTreeMap<i32, PartitionMarks>) -> Ra
         ranges.partitions.insert(p, (start, end.max(start)));
     }
     ranges
-}
-
-/// What a replay reads: per partition, where it starts (counting from a batch boundary,
-/// after the warm-up that rebuilds its dedup state) and where it ends.
-#[derive(Debug, Clone)]
-pub struct Plan {
-    pub starts: Vec<Start>,
-    /// The offsets counted, `[count_from, end)`.
-    pub counted: Ranges,
-    /// The offsets read, warm-up included, `[read_from, end)`.
-    pub read: Ranges,
 }
 
 /// The partitions whose counted range ends at their log end because no record of theirs
@@ -375,11 +364,11 @@ pub async fn replay(s: &Settings, args: &ReplayArgs, shutdown: CancellationToken
         if part.partitions.is_empty() {
             continue;
         }
-        let under = settings_of(s, &version.rules);
+        let under = s.with_recorded(&version.rules);
         if history.versions.len() > 1 || !s.rules().differences(&version.rules).is_empty() {
             info!(version = version.version, ranges = ?part.partitions, "replaying under the settings the topic records for these ranges");
         }
-        let plan = plan_starts(&under, &sink, part, &lows).await?;
+        let plan = crate::planner::plan_replay(&under, &sink, part, &lows).await?;
         let done = run_plan(&under, &sink, plan, args, writer, &shutdown).await?;
         summary.stats.add(&done.stats);
         summary.rows_written += done.rows_written;
@@ -427,62 +416,16 @@ async fn zero_what_was_not_superseded(
     Ok(rows.len() as u64)
 }
 
-/// `s` with the window, validation limits and reading of recorded `rules` (the fingerprint key
-/// and shard count only shape the cache, which a replay does not use).
-pub fn settings_of(s: &Settings, rules: &crate::config::Rules) -> Settings {
-    let mut under = s.clone();
-    under.dedup.window = Some(Duration::from_secs(rules.window_secs));
-    under.validation.max_payload_bytes = rules.max_payload_bytes as usize;
-    under.validation.max_click_id_len = rules.max_click_id_len as usize;
-    under.validation.max_future_skew = Duration::from_secs(rules.max_future_skew_secs);
-    under.validation.max_lateness = Duration::from_secs(rules.max_lateness_secs);
-    under.source.format = rules.reading.format;
-    under.validation.fields = rules.reading.fields.clone();
-    under.validation.ts_unit = rules.reading.ts_unit;
-    under
-}
-
-/// Where each partition's reader starts to count `counted` (`planner`): from its batch
-/// boundary, after the warm-up that rebuilds its dedup state.
-async fn plan_starts(s: &Settings, sink: &Sink, counted: Ranges, lows: &BTreeMap<i32, i64>) -> Result<Plan> {
-    let at = counted
-        .partitions
-        .iter()
-        .map(|(&p, &(start, _))| (p, crate::position::Boundary { boundary: start, low: lows[&p], high: i64::MAX }))
-        .collect();
-    let window = s.rules().window();
-    let marks = crate::planner::marks(sink, &s.kafka.topic, &at, window).await?;
-    let starts: Vec<Start> = marks.iter().map(|(&p, &m)| position::private_start(p, m, None)).collect();
-    for st in &starts {
-        let low = lows[&st.partition];
-        if st.read_from == low && low > 0 && st.read_from < st.count_from {
-            tracing::warn!(
-                partition = st.partition,
-                log_start = low,
-                "retention removed part of the window before the replayed range: a retry whose original \
-                 was deleted counts as a new click"
-            );
-        }
-    }
-    let read = Ranges {
-        partitions: starts
-            .iter()
-            .map(|st| (st.partition, (st.read_from, counted.partitions[&st.partition].1)))
-            .collect(),
-    };
-    Ok(Plan { starts, counted, read })
-}
-
 /// Reads one plan through the stages and the flusher (no commits) to its end.
 async fn run_plan(
     s: &Settings,
     sink: &Sink,
-    plan: Plan,
+    plan: ReplayPlan,
     args: &ReplayArgs,
     writer: Writer,
     shutdown: &CancellationToken,
 ) -> Result<Summary> {
-    let Plan { starts, counted: ranges, read } = plan;
+    let ReplayPlan { starts, counted: ranges, read } = plan;
     info!(ranges = ?ranges.partitions, records = ranges.records(), warmup = read.records() - ranges.records(), "replay planned");
     // Pins are loaded a window at a time as the readers advance (`Stages::ensure_pins`).
     let with_pins: Vec<(Start, RecordedPins)> =
@@ -580,38 +523,6 @@ pub fn cut(stages: &mut Stages, writer: Writer, reading: impl Iterator<Item = (i
         }
         Writer::Replay | Writer::Member => stages.cut(CommitMode::Async),
     }
-}
-
-/// What a re-read decides for every record of `counted` (and of the warm-up before it),
-/// with the click IDs of `counted`: the stages of a replay (private state, the recorded
-/// pins) under settings `s`, with nothing written anywhere. `explain --records` prints it.
-pub async fn trace(
-    s: &Settings,
-    sink: &Sink,
-    counted: Ranges,
-    lows: &BTreeMap<i32, i64>,
-) -> Result<(Vec<crate::pipeline::Traced>, source::ClickIds)> {
-    let within = counted.clone();
-    let Plan { starts, read, .. } = plan_starts(s, sink, counted, lows).await?;
-    let never = CancellationToken::new();
-    let mut stages = Stages::new(StagesConfig::from_settings(s), Default::default());
-    stages.trace_records();
-    let mut planner = Planner::for_replay(s, sink.clone())?;
-    stages.assign(starts.into_iter().map(|st| (st, RecordedPins::before(st.read_from))).collect());
-    let mut reader = RangeReader::for_settings(s, "explain", &read, crate::schema_registry::decoder(s)?)?;
-    reader.keep_click_ids(within);
-    let mut traced = Vec::new();
-    while let Some(records) = reader.next_batch().await.context("reading the topic")? {
-        planner.ensure_pins(&mut stages, &records, &never, s.pipeline.max_backoff).await?;
-        let prepared = stages.prepare(records);
-        stages.apply(prepared, Vec::new());
-        traced.extend(stages.take_trace());
-        // The rows are not written: drop them as they pile up.
-        if stages.unflushed_buckets() >= s.pipeline.max_unflushed_buckets {
-            stages.cut(CommitMode::Async);
-        }
-    }
-    Ok((traced, reader.take_click_ids()))
 }
 
 /// A bar per partition with ETA on a terminal; a log line every 5 s otherwise.

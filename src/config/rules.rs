@@ -6,6 +6,8 @@
 //! and every member must run with the ones recorded; `clickagg settings change`
 //! changes them on purpose, from a recorded position on.
 
+use std::time::Duration;
+
 use serde::{Deserialize, Serialize};
 use siphasher::sip128::{Hasher128, SipHasher13};
 
@@ -102,6 +104,25 @@ impl Rules {
         }
         check("validation.ts_unit", ours.ts_unit.to_string(), theirs.ts_unit.to_string());
         out
+    }
+}
+
+impl super::Settings {
+    /// These settings with the decisions' part of recorded `rules`: the window, the
+    /// validation limits and how a record is read (the fingerprint key and the shard
+    /// count only shape the cache, which a private reader does not use). A replay or
+    /// `explain` of a range reads it under the rules recorded for it.
+    pub fn with_recorded(&self, rules: &Rules) -> super::Settings {
+        let mut under = self.clone();
+        under.dedup.window = Some(Duration::from_secs(rules.window_secs));
+        under.validation.max_payload_bytes = rules.max_payload_bytes as usize;
+        under.validation.max_click_id_len = rules.max_click_id_len as usize;
+        under.validation.max_future_skew = Duration::from_secs(rules.max_future_skew_secs);
+        under.validation.max_lateness = Duration::from_secs(rules.max_lateness_secs);
+        under.source.format = rules.reading.format;
+        under.validation.fields = rules.reading.fields.clone();
+        under.validation.ts_unit = rules.reading.ts_unit;
+        under
     }
 }
 
