@@ -31,7 +31,8 @@ use crate::aggregate::{Aggregator, BucketKey, Flush};
 use crate::click::Click;
 use crate::config::Settings;
 use crate::dedup::{
-    Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict,
+    Checkpoint, Claim, ClaimBatch, ClaimMode, Fingerprint, Pin, PrivateScope, ReaderClaim, ReaderMark, Secs, Sighting,
+    Timeline, Verdict,
 };
 use crate::position::{BatchOffsets, Scope, Start};
 use crate::record::Record;
@@ -80,6 +81,19 @@ pub struct BatchStats {
 }
 
 impl BatchStats {
+    /// Counts a click's verdict among the redeliveries and duplicates.
+    fn add_verdict(&mut self, v: Verdict) {
+        match v {
+            Verdict::Own => self.redelivered += 1,
+            Verdict::Duplicate | Verdict::UncountedDuplicate => self.duplicates += 1,
+            Verdict::CrossDuplicate => {
+                self.duplicates += 1;
+                self.cross_partition += 1;
+            }
+            _ => {}
+        }
+    }
+
     pub fn add(&mut self, o: &BatchStats) {
         self.records += o.records;
         self.counted += o.counted;
@@ -243,7 +257,20 @@ struct Item {
     /// Before the reader's first counted offset: it only rebuilds dedup state.
     warm: bool,
     fingerprint: Option<Fingerprint>,
+    /// Its claim's place among the poll batch's claims, whose verdict decides it (`None`:
+    /// not a click, or decided by a private reader).
+    claim: Option<usize>,
     verdict: Option<Verdict>,
+}
+
+/// The first sighting of a poll batch in a partition that must wait while other
+/// partitions' state is rebuilt: its reader is rewound to just before it.
+struct Wait {
+    from: i64,
+    /// The partition's clock just before it: where the rewound reader starts.
+    clock_before: Timeline,
+    /// The generation of the reader that read it.
+    generation: u64,
 }
 
 /// What applying a poll batch asks of the loop: partitions to re-read privately (the
@@ -258,28 +285,22 @@ pub struct Applied {
 /// A poll batch between [`Stages::prepare`] and [`Stages::apply`].
 pub struct Prepared {
     items: Vec<Item>,
-    /// The claims for the shared cache, in record order; `claimed[i]` is claim i's item,
-    /// or `None` for a sighting a private reader hands the cache as a warm-up claim
-    /// (decided already; its verdict is not used).
+    /// The claims for the shared cache, in record order (an item names its own,
+    /// [`Item::claim`]), and the marks.
     claims: ClaimBatch,
-    claimed: Vec<Option<usize>>,
 }
 
 impl Prepared {
     /// A batch of nothing: handed to the claimer, it asks the cache whether it still holds
     /// what this member relies on (an idle member's check).
     pub fn empty() -> Prepared {
-        Prepared { items: Vec::new(), claims: ClaimBatch::default(), claimed: Vec::new() }
+        Prepared { items: Vec::new(), claims: ClaimBatch::default() }
     }
 
     /// Takes the claims to hand to the `Claimer` (the verdicts come back in this order),
     /// with the generation of the reader each came from.
     pub fn take_claims(&mut self) -> ClaimBatch {
         std::mem::take(&mut self.claims)
-    }
-
-    pub fn has_claims(&self) -> bool {
-        !self.claimed.is_empty()
     }
 
     /// Records in this batch (the ones its reader had not seen yet).
@@ -378,6 +399,20 @@ impl Stages {
     /// not ours, and stale ones (at or below what was already taken in, fetched before a
     /// seek), are dropped.
     pub fn prepare(&mut self, records: Vec<Record>) -> Prepared {
+        let mut items = self.take_in(records);
+        self.status.read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
+        self.record_lag(&items);
+        let mut claims = Vec::new();
+        for i in items.iter_mut() {
+            self.claim(i, &mut claims);
+        }
+        let marks = self.marks(&items);
+        Prepared { items, claims: ClaimBatch { claims, marks } }
+    }
+
+    /// Takes a poll batch's records into their readers: each record's place on its
+    /// partition's clock, and the clock checkpoints at the batch boundaries it crosses.
+    fn take_in(&mut self, records: Vec<Record>) -> Vec<Item> {
         let n = self.agg.batch_offsets();
         let mut items = Vec::with_capacity(records.len());
         for r in records {
@@ -403,72 +438,74 @@ impl Stages {
                 confirms: read.confirms,
                 warm,
                 fingerprint,
+                claim: None,
                 verdict: None,
             });
         }
-        self.status.read_up_to(self.readers.iter().map(|(&p, r)| (p, r.last)));
-        self.record_lag(&items);
-        let mut claims = Vec::new();
-        let mut claimed = Vec::new();
-        let mut generations = Vec::new();
-        for (idx, i) in items.iter_mut().enumerate() {
-            let p = i.record.partition;
-            let o = i.record.offset;
-            let reader = self.readers.get_mut(&p).expect("items come from readers");
-            if let Some((ahead, fp)) = i.confirms {
-                // Before this record's own claim: a retry of that click in it is judged
-                // against the confirmed reach.
-                let private =
-                    matches!(reader.scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
-                if private {
-                    self.private.confirm(p, fp, ahead, i.now);
-                }
-                let fills = matches!(reader.scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
-                if !private || fills {
-                    let sighting = Sighting { partition: p, offset: ahead, clock: i.clock, now: i.now };
-                    let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
-                    claims.push(Claim { fingerprint: Fingerprint(fp), sighting, mode });
-                    claimed.push(None);
-                    generations.push(i.generation);
-                }
+        items
+    }
+
+    /// What an item of a poll batch asks of the dedup state: the confirmation of the
+    /// jump it confirms, then its own sighting — decided here by a private reader,
+    /// claimed from the shared cache otherwise (pushed to `claims`, in record order).
+    fn claim(&mut self, i: &mut Item, claims: &mut Vec<ReaderClaim>) {
+        let p = i.record.partition;
+        let o = i.record.offset;
+        let reader = self.readers.get_mut(&p).expect("items come from readers");
+        let generation = i.generation;
+        let mut push = |claim: Claim| {
+            claims.push(ReaderClaim { claim, generation });
+            claims.len() - 1
+        };
+        if let Some((ahead, fp)) = i.confirms {
+            // Before this record's own claim: a retry of that click in it is judged
+            // against the confirmed reach.
+            let private =
+                matches!(reader.scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
+            if private {
+                self.private.confirm(p, fp, ahead, i.now);
             }
-            let Some(fp) = i.fingerprint else { continue };
-            let pin = reader.pins.get(o);
-            let sighting = Sighting { partition: p, offset: o, clock: i.clock, now: i.now };
-            if let Scope::Private { resume } = reader.scope {
-                if resume.is_some_and(|r| o >= r.shared_from()) {
-                    // The cache holds everything before this offset again: back to it.
-                    reader.scope = Scope::Shared { reread_until: None };
-                    self.private.forget(p);
-                    info!(partition = p, offset = o, "deciding through the dedup cache again");
-                } else {
-                    i.verdict = Some(self.private.sight_at(fp.0, sighting, if i.warm { None } else { pin }));
-                    if resume.is_some_and(|r| r.fills_cache(o)) {
-                        // The cache's last warm-up did not get this far: finish it.
-                        let mode = ClaimMode { pin, warm: true, confirm: false };
-                        claims.push(Claim { fingerprint: fp, sighting, mode });
-                        claimed.push(None);
-                        generations.push(i.generation);
-                    }
-                    continue;
-                }
+            let fills = matches!(reader.scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
+            if !private || fills {
+                let sighting = Sighting { partition: p, offset: ahead, clock: i.clock, now: i.now };
+                let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
+                push(Claim { fingerprint: Fingerprint(fp), sighting, mode });
             }
-            let mode = ClaimMode { pin, warm: i.warm, confirm: false };
-            claims.push(Claim { fingerprint: fp, sighting, mode });
-            claimed.push(Some(idx));
-            generations.push(i.generation);
         }
-        // The last record of each partition read through the cache, click or not.
-        let mut last: BTreeMap<i32, (Sighting, u64)> = BTreeMap::new();
-        for i in &items {
+        let Some(fp) = i.fingerprint else { return };
+        let pin = reader.pins.get(o);
+        let sighting = Sighting { partition: p, offset: o, clock: i.clock, now: i.now };
+        if let Scope::Private { resume } = reader.scope {
+            if resume.is_some_and(|r| o >= r.shared_from()) {
+                // The cache holds everything before this offset again: back to it.
+                reader.scope = Scope::Shared { reread_until: None };
+                self.private.forget(p);
+                info!(partition = p, offset = o, "deciding through the dedup cache again");
+            } else {
+                i.verdict = Some(self.private.sight_at(fp.0, sighting, if i.warm { None } else { pin }));
+                if resume.is_some_and(|r| r.fills_cache(o)) {
+                    // The cache's last warm-up did not get this far: finish it.
+                    let mode = ClaimMode { pin, warm: true, confirm: false };
+                    push(Claim { fingerprint: fp, sighting, mode });
+                }
+                return;
+            }
+        }
+        let mode = ClaimMode { pin, warm: i.warm, confirm: false };
+        i.claim = Some(push(Claim { fingerprint: fp, sighting, mode }));
+    }
+
+    /// The last record of each partition read through the cache, click or not.
+    fn marks(&self, items: &[Item]) -> Vec<ReaderMark> {
+        let mut last: BTreeMap<i32, ReaderMark> = BTreeMap::new();
+        for i in items {
             let p = i.record.partition;
             if matches!(self.readers.get(&p).map(|r| r.scope), Some(Scope::Shared { .. })) {
                 let sighting = Sighting { partition: p, offset: i.record.offset, clock: i.clock, now: i.now };
-                last.insert(p, (sighting, i.generation));
+                last.insert(p, ReaderMark { last: sighting, generation: i.generation });
             }
         }
-        let marks = last.into_values().collect();
-        Prepared { items, claims: ClaimBatch { claims, generations, marks }, claimed }
+        last.into_values().collect()
     }
 
     /// Records how far each partition's first counted record lags the wall clock.
@@ -508,96 +545,118 @@ impl Stages {
     /// the claims), then the aggregator. Returns the partitions that stop trusting the
     /// cache; the caller falls them back to private state (`Planner::fall_back`).
     pub fn apply(&mut self, prepared: Prepared, verdicts: Vec<Verdict>) -> Applied {
-        let Prepared { mut items, claimed, .. } = prepared;
-        let mut distrusted: BTreeMap<i32, (Distrust, u64)> = BTreeMap::new();
-        // Per partition, the first sighting that must wait: (offset, clock before, generation).
-        let mut waits: BTreeMap<i32, (i64, Timeline, u64)> = BTreeMap::new();
-        for (idx, v) in claimed.into_iter().zip(verdicts) {
-            let Some(idx) = idx else { continue };
-            items[idx].verdict = Some(v);
-            let item = &items[idx];
-            let p = item.record.partition;
-            if v == Verdict::Undecidable && !item.warm {
-                distrusted.entry(p).or_insert((Distrust::Undecidable, item.generation));
-            }
-            if v == Verdict::Wait {
-                waits.entry(p).or_insert((item.record.offset, item.clock_before, item.generation));
-            }
-        }
-        // A reader replaced since this batch was prepared has nothing to fall back or rewind.
-        let current = |readers: &HashMap<i32, Reader>, p: &i32, generation: u64| {
-            readers.get(p).is_some_and(|r| r.generation == generation)
-        };
-        distrusted.retain(|p, (_, generation)| current(&self.readers, p, *generation));
-        let distrusted: BTreeMap<i32, Distrust> = distrusted.into_iter().map(|(p, (why, _))| (p, why)).collect();
-        waits.retain(|p, (_, _, generation)| !distrusted.contains_key(p) && current(&self.readers, p, *generation));
+        let Prepared { mut items, .. } = prepared;
+        let (fall_backs, waits) = self.take_verdicts(&mut items, &verdicts);
         let mut applied: BTreeMap<i32, i64> = BTreeMap::new();
         let mut stats = BatchStats::default();
         for i in items {
             let p = i.record.partition;
             let current = self.readers.get(&p).is_some_and(|r| r.generation == i.generation);
-            let waiting = waits.get(&p).is_some_and(|&(from, _, _)| i.record.offset >= from);
-            if !current || distrusted.contains_key(&p) || waiting {
+            let waiting = waits.get(&p).is_some_and(|w| i.record.offset >= w.from);
+            if !current || fall_backs.contains_key(&p) || waiting {
                 continue;
             }
             applied.insert(p, i.record.offset);
+            self.apply_item(i, &mut stats);
+        }
+        self.publish(&stats);
+        for (p, offset) in applied {
             if let Some(reader) = self.readers.get_mut(&p) {
-                reader.decided_clock = i.now;
-                reader.decided = i.record.offset;
-            }
-            if let Some(trace) = &mut self.trace {
-                let click = i.record.outcome.as_ref().ok().cloned();
-                trace.push(Traced { partition: p, offset: i.record.offset, warm: i.warm, click, verdict: i.verdict });
-            }
-            if i.warm {
-                stats.warmup += 1;
-                continue;
-            }
-            stats.records += 1;
-            let (counted, pin) = match (&i.record.outcome, i.verdict) {
-                (Ok(click), Some(v)) => {
-                    match v {
-                        Verdict::Own => stats.redelivered += 1,
-                        Verdict::Duplicate | Verdict::UncountedDuplicate => stats.duplicates += 1,
-                        Verdict::CrossDuplicate => {
-                            stats.duplicates += 1;
-                            stats.cross_partition += 1;
-                        }
-                        _ => {}
-                    }
-                    let bucket = BucketKey { ad_id: click.ad_id, minute: click.minute };
-                    // Recorded again on re-reads too: a pin applied from the cache may not
-                    // be durable yet, and the trim after this flush's commit drops it there.
-                    (v.counts().then_some(bucket), v.pin().map(|p| (p, bucket)))
-                }
-                _ => (None, None),
-            };
-            if counted.is_some() {
-                stats.counted += 1;
-                if let Some(tenth) = i.record.timestamp_ms.and_then(t::tenth_of_millis) {
-                    *self.freshness.entry(tenth).or_default() += 1;
-                }
-            }
-            self.agg.observe(p, i.record.offset, counted, pin);
-            if let Err(rejected) = &i.record.outcome {
-                stats.invalid += 1;
-                let reason = rejected.rejection.reason.as_str();
-                metrics::counter!(t::INVALID_RECORDS, "reason" => reason).increment(1);
-                if let Some(suppressed) = self.log_limit.allow(reason, Instant::now()) {
-                    warn!(
-                        partition = p,
-                        offset = i.record.offset,
-                        reason,
-                        detail = %rejected.rejection.detail,
-                        suppressed_since_last = suppressed,
-                        "rejected record"
-                    );
-                }
-                if self.dead_letters {
-                    self.rejected.push(i.record);
-                }
+                // Read past: a re-read starts a new reader, which loads its own.
+                reader.pins.pins = reader.pins.pins.split_off(&(offset + 1));
             }
         }
+        let rewinds = self.rewind(waits);
+        Applied { fall_backs, rewinds }
+    }
+
+    /// Gives each item of a poll batch its claim's verdict. Returns, of the readers not
+    /// replaced since the batch was prepared, the partitions whose re-read the cache
+    /// could not decide, and per partition the first sighting that must wait.
+    fn take_verdicts(
+        &self,
+        items: &mut [Item],
+        verdicts: &[Verdict],
+    ) -> (BTreeMap<i32, Distrust>, BTreeMap<i32, Wait>) {
+        let mut distrusted: BTreeMap<i32, (Distrust, u64)> = BTreeMap::new();
+        let mut waits: BTreeMap<i32, Wait> = BTreeMap::new();
+        for item in items.iter_mut() {
+            let Some(&v) = item.claim.and_then(|k| verdicts.get(k)) else { continue };
+            item.verdict = Some(v);
+            let p = item.record.partition;
+            if v == Verdict::Undecidable && !item.warm {
+                distrusted.entry(p).or_insert((Distrust::Undecidable, item.generation));
+            }
+            if v == Verdict::Wait {
+                let wait =
+                    Wait { from: item.record.offset, clock_before: item.clock_before, generation: item.generation };
+                waits.entry(p).or_insert(wait);
+            }
+        }
+        // A reader replaced since this batch was prepared has nothing to fall back or rewind.
+        let current = |p: &i32, generation: u64| self.readers.get(p).is_some_and(|r| r.generation == generation);
+        let distrusted: BTreeMap<i32, Distrust> =
+            distrusted.into_iter().filter(|(p, (_, g))| current(p, *g)).map(|(p, (why, _))| (p, why)).collect();
+        waits.retain(|p, w| !distrusted.contains_key(p) && current(p, w.generation));
+        (distrusted, waits)
+    }
+
+    /// One decided record of a current reader: its reader's progress, the trace, and
+    /// then the aggregator (a counted click, a pin) or the dead letters (a rejected one).
+    fn apply_item(&mut self, i: Item, stats: &mut BatchStats) {
+        let p = i.record.partition;
+        if let Some(reader) = self.readers.get_mut(&p) {
+            reader.decided_clock = i.now;
+            reader.decided = i.record.offset;
+        }
+        if let Some(trace) = &mut self.trace {
+            let click = i.record.outcome.as_ref().ok().cloned();
+            trace.push(Traced { partition: p, offset: i.record.offset, warm: i.warm, click, verdict: i.verdict });
+        }
+        if i.warm {
+            stats.warmup += 1;
+            return;
+        }
+        stats.records += 1;
+        let (counted, pin) = match (&i.record.outcome, i.verdict) {
+            (Ok(click), Some(v)) => {
+                stats.add_verdict(v);
+                let bucket = BucketKey { ad_id: click.ad_id, minute: click.minute };
+                // Recorded again on re-reads too: a pin applied from the cache may not
+                // be durable yet, and the trim after this flush's commit drops it there.
+                (v.counts().then_some(bucket), v.pin().map(|p| (p, bucket)))
+            }
+            _ => (None, None),
+        };
+        if counted.is_some() {
+            stats.counted += 1;
+            if let Some(tenth) = i.record.timestamp_ms.and_then(t::tenth_of_millis) {
+                *self.freshness.entry(tenth).or_default() += 1;
+            }
+        }
+        self.agg.observe(p, i.record.offset, counted, pin);
+        if let Err(rejected) = &i.record.outcome {
+            stats.invalid += 1;
+            let reason = rejected.rejection.reason.as_str();
+            metrics::counter!(t::INVALID_RECORDS, "reason" => reason).increment(1);
+            if let Some(suppressed) = self.log_limit.allow(reason, Instant::now()) {
+                warn!(
+                    partition = p,
+                    offset = i.record.offset,
+                    reason,
+                    detail = %rejected.rejection.detail,
+                    suppressed_since_last = suppressed,
+                    "rejected record"
+                );
+            }
+            if self.dead_letters {
+                self.rejected.push(i.record);
+            }
+        }
+    }
+
+    /// A poll batch's counts, to the metrics and the totals.
+    fn publish(&mut self, stats: &BatchStats) {
         metrics::counter!(t::RECORDS_CONSUMED).increment(stats.records);
         metrics::counter!(t::WARMUP_RECORDS).increment(stats.warmup);
         metrics::counter!(t::CLICKS_COUNTED).increment(stats.counted);
@@ -605,27 +664,25 @@ impl Stages {
         metrics::counter!(t::DUPLICATES_DROPPED).increment(stats.duplicates);
         metrics::counter!(t::CROSS_PARTITION_DUPLICATES).increment(stats.cross_partition);
         metrics::gauge!(t::BUCKETS_HELD).set(self.unflushed_buckets() as f64);
-        self.totals.add(&stats);
-        for (p, offset) in applied {
-            if let Some(reader) = self.readers.get_mut(&p) {
-                // Read past: a re-read starts a new reader, which loads its own.
-                reader.pins.pins = reader.pins.pins.split_off(&(offset + 1));
-            }
-        }
-        // A sighting that waits for other partitions' state to be rebuilt is read again,
-        // with everything after it in its partition: the reader goes back to just before it
-        // (a new generation, so that batches already prepared past it are dropped).
+        self.totals.add(stats);
+    }
+
+    /// A sighting that waits for other partitions' state to be rebuilt is read again,
+    /// with everything after it in its partition: the reader goes back to just before it
+    /// (a new generation, so that batches already prepared past it are dropped). Returns
+    /// where each partition is to be read again from.
+    fn rewind(&mut self, waits: BTreeMap<i32, Wait>) -> BTreeMap<i32, i64> {
         let mut rewinds = BTreeMap::new();
-        for (p, (from, clock_before, _)) in waits {
+        for (p, wait) in waits {
             self.generation += 1;
             let reader = self.readers.get_mut(&p).expect("checked current");
-            reader.last = from - 1;
-            reader.clock = clock_before;
+            reader.last = wait.from - 1;
+            reader.clock = wait.clock_before;
             reader.generation = self.generation;
             metrics::counter!(t::DEDUP_WAITS).increment(1);
-            rewinds.insert(p, from);
+            rewinds.insert(p, wait.from);
         }
-        Applied { fall_backs: distrusted, rewinds }
+        rewinds
     }
 
     /// Per reader that `records` take past the recorded pins it holds, the offsets whose

@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use clickagg::cache::SharedCache;
 use clickagg::config::{KafkaSettings, Settings};
-use clickagg::dedup::{Claim, ClaimMode, Fingerprinter, Sighting};
+use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprinter, ReaderClaim, Sighting};
 use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -356,8 +356,8 @@ async fn claims_rate(
         while received < total {
             while sent < total && sent - received < in_flight + 1 {
                 let claims = chunks.next().expect("counted");
-                let generations = vec![0; claims.len()];
-                claimer.claim(clickagg::dedup::ClaimBatch { claims, generations, marks: Vec::new() });
+                let claims = claims.into_iter().map(|claim| ReaderClaim { claim, generation: 0 }).collect();
+                claimer.claim(ClaimBatch { claims, marks: Vec::new() });
                 sent += 1;
             }
             verdicts.recv().await.expect("claimer running")?;

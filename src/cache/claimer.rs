@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 use super::claims::{ClaimCalls, ClaimReply, ClaimSender};
 use super::error::DedupError;
 use super::shared::SharedCache;
-use crate::dedup::{Claim, ClaimBatch, Sighting, Verdict};
+use crate::dedup::{Claim, ClaimBatch, ReaderClaim, ReaderMark, Sighting, Verdict};
 use crate::readiness::{ClaimsReport, RedisTrouble};
 use crate::retry::{Retry, Stopped};
 use crate::telemetry as t;
@@ -133,32 +133,34 @@ impl Task {
     /// Sends one batch's calls, with each partition's `prev` (the mark of the last batch
     /// sent by the same reader generation).
     async fn send(&mut self, batch: ClaimBatch) -> Sent {
-        let stale = |i: usize| {
-            let p = batch.claims[i].sighting.partition;
-            self.waiting.get(&p).is_some_and(|&g| batch.generations[i] <= g)
-        };
-        let (sent, _held): (Vec<usize>, Vec<usize>) = (0..batch.claims.len()).partition(|&i| !stale(i));
+        let stale = |c: &ReaderClaim| self.waiting.get(&c.claim.sighting.partition).is_some_and(|&g| c.generation <= g);
+        let (sent, _held): (Vec<usize>, Vec<usize>) = (0..batch.claims.len()).partition(|&i| !stale(&batch.claims[i]));
         for &i in &sent {
-            self.waiting.remove(&batch.claims[i].sighting.partition);
+            self.waiting.remove(&batch.claims[i].claim.sighting.partition);
         }
-        let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i]).collect();
+        let claims: Vec<Claim> = sent.iter().map(|&i| batch.claims[i].claim).collect();
         // Marks of a reader generation that had to wait are stale like its claims.
-        let marks: Vec<(Sighting, u64)> =
-            batch.marks.iter().filter(|(s, g)| self.waiting.get(&s.partition).is_none_or(|w| g > w)).copied().collect();
+        let marks: Vec<ReaderMark> = batch
+            .marks
+            .iter()
+            .filter(|m| self.waiting.get(&m.last.partition).is_none_or(|&w| m.generation > w))
+            .copied()
+            .collect();
         let prev: BTreeMap<i32, i64> = marks
             .iter()
-            .filter_map(|(s, g)| match self.sent_marks.get(&s.partition) {
-                Some(&(sent_g, o)) if sent_g == *g => Some((s.partition, o)),
+            .filter_map(|m| match self.sent_marks.get(&m.last.partition) {
+                Some(&(sent_g, o)) if sent_g == m.generation => Some((m.last.partition, o)),
                 _ => None,
             })
             .collect();
-        let reached: Vec<Sighting> = marks.iter().map(|&(s, _)| s).collect();
+        let reached: Vec<Sighting> = marks.iter().map(|m| m.last).collect();
         let mut out = Sent { batch, sent, claims, reached, prev, calls: None, reply: Reply::Done(Ok(Vec::new())) };
         self.dispatch(&mut out).await;
-        for (s, g) in marks {
-            let mark = out.calls.as_ref().and_then(|c| c.marks().find(|&(p, _)| p == s.partition)).map(|(_, o)| o);
+        for m in marks {
+            let p = m.last.partition;
+            let mark = out.calls.as_ref().and_then(|c| c.marks().find(|&(q, _)| q == p)).map(|(_, o)| o);
             if let Some(o) = mark {
-                self.sent_marks.insert(s.partition, (g, o));
+                self.sent_marks.insert(p, (m.generation, o));
             }
         }
         out
@@ -195,9 +197,9 @@ impl Task {
         let mut all = vec![Verdict::Wait; s.batch.claims.len()];
         for (&i, verdict) in s.sent.iter().zip(v) {
             if verdict == Verdict::Wait {
-                let p = s.batch.claims[i].sighting.partition;
-                let g = self.waiting.entry(p).or_insert(s.batch.generations[i]);
-                *g = (*g).max(s.batch.generations[i]);
+                let ReaderClaim { claim, generation } = s.batch.claims[i];
+                let g = self.waiting.entry(claim.sighting.partition).or_insert(generation);
+                *g = (*g).max(generation);
             }
             all[i] = verdict;
         }

@@ -448,16 +448,29 @@ pub struct Claim {
     pub mode: ClaimMode,
 }
 
-/// One poll batch's claims, with the generation of the reader each came from (a reader
-/// rewound after a wait gets a new one).
+/// A claim of a poll batch, with the generation of the reader it came from (a reader
+/// rewound after a wait gets a new one; the claims of the one before are held back).
+#[derive(Debug, Clone, Copy)]
+pub struct ReaderClaim {
+    pub claim: Claim,
+    pub generation: u64,
+}
+
+/// The last record of a poll batch in a partition read through the cache (a click or
+/// not), with its reader's generation: the batch's mark reaches it, so that a warm-up
+/// ending on records that are not clicks still reaches its boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReaderMark {
+    pub last: Sighting,
+    pub generation: u64,
+}
+
+/// One poll batch's claims, in record order, and its marks.
 #[derive(Debug, Clone, Default)]
 pub struct ClaimBatch {
-    pub claims: Vec<Claim>,
-    pub generations: Vec<u64>,
-    /// Per partition read through the cache, the last record of the poll batch (a click
-    /// or not) and its reader's generation: the batch's mark reaches it, so that a
-    /// warm-up ending on records that are not clicks still reaches its boundary.
-    pub marks: Vec<(Sighting, u64)>,
+    pub claims: Vec<ReaderClaim>,
+    /// One per partition read through the cache.
+    pub marks: Vec<ReaderMark>,
 }
 
 #[cfg(test)]

@@ -55,6 +55,7 @@ pub mod fingerprint;
 
 pub use clock::{Checkpoint, PartitionClock, Read, Secs, Timeline, CLOCK_JUMP};
 pub use decide::{
-    decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, Sighting, Start, Verdict,
+    decide_shared, Chain, Claim, ClaimBatch, ClaimMode, Frontier, Pin, PrivateScope, ReaderClaim, ReaderMark, Sighting,
+    Start, Verdict,
 };
 pub use fingerprint::{Fingerprint, Fingerprinter};

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use clickagg::cache::{Claimer, DedupError, SharedCache};
-use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprint, Sighting, Verdict};
+use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprint, ReaderClaim, ReaderMark, Sighting, Verdict};
 use clickagg::health::Health;
 
 use crate::helpers::cache_model::{compare, compare_all, Compared, SHARDS, WINDOW};
@@ -133,9 +133,9 @@ async fn claims_in_flight_across_a_redis_restarted_empty_are_all_answered_the_ol
                 sighting: Sighting::at(0, o, 1_000),
                 mode: ClaimMode::default(),
             })
+            .map(|claim| ReaderClaim { claim, generation: 0 })
             .collect(),
-        generations: vec![0; 50],
-        marks: vec![(Sighting::at(0, from + 49, 1_000), 0)],
+        marks: vec![ReaderMark { last: Sighting::at(0, from + 49, 1_000), generation: 0 }],
     };
     let (claimer, mut verdicts) = Claimer::start(cache.handle(), Duration::from_millis(300), 3, Health::new());
     claimer.claim(batch(0));
