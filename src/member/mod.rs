@@ -29,12 +29,12 @@ use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
 use rdkafka::{Offset, TopicPartitionList};
-use tokio::runtime::Handle;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
-use crate::cache::Claimer;
+use crate::cache::sweeper::sweep_forever;
+use crate::cache::{Claimer, SharedCache};
 use crate::config::Settings;
 use crate::dead_letter::DeadLetters;
 use crate::flusher::{CommitError, Committer, Flusher, FlusherConfig};
@@ -42,9 +42,8 @@ use crate::health::Health;
 use crate::pipeline::{Stages, StagesConfig};
 use crate::planner::{until_done, PipelineError, Planner};
 use crate::retry::FatalSignal;
-use crate::sink::{Sink, Writer};
+use crate::sink::{RulesHistory, Sink, Writer};
 use crate::source;
-use crate::telemetry::RateLimiter;
 
 use checks::{check_recorded_rules, check_topic_config, check_topic_not_recreated, wait_for_redis};
 use poll_loop::Loop;
@@ -66,37 +65,27 @@ pub struct Member {
     pub health: Arc<Health>,
 }
 
+/// The group consumer of a member, with the rebalance callbacks in its context.
+type GroupConsumer = StreamConsumer<GroupContext>;
+
+/// What the loop and the rebalance callbacks both drive.
+struct Shared {
+    stages: Arc<Mutex<Stages>>,
+    planner: Arc<Mutex<Planner>>,
+    flusher: Arc<Flusher>,
+    /// Set while the loop holds consumption paused (`GroupContext::paused`).
+    paused: Arc<AtomicBool>,
+}
+
 impl Member {
     /// Connects, checks the stored batch size and the setup, joins the group and runs the
     /// loop until `shutdown`; then flushes, commits and leaves within the drain timeout.
     pub async fn run(self, shutdown: CancellationToken) -> Result<Exit, PipelineError> {
         let s = &self.settings;
         let sink = Sink::new(&s.clickhouse);
-        // Start-up steps wait out transient failures (services still coming up, a cluster
-        // failing over). Stopped meanwhile, the member has joined no group and read
-        // nothing, so the stop owes nothing: exit 0.
-        let started = async {
-            let (ch, backoff) = (&sink, s.pipeline.max_backoff);
-            until_done("reaching ClickHouse", backoff, &shutdown, || async { Ok(ch.ping().await?) }).await?;
-            until_done("registering pipeline.batch_offsets", backoff, &shutdown, || async {
-                Ok(ch.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
-            })
-            .await?;
-            until_done("checking the topic against the stored batches", backoff, &shutdown, || {
-                check_topic_not_recreated(s, ch)
-            })
-            .await?;
-            let rules =
-                until_done("checking the recorded dedup settings", backoff, &shutdown, || check_recorded_rules(s, ch))
-                    .await?;
-            self.health.set_clickhouse(true);
-            check_topic_config(s).await?;
-            let mut cache = crate::cache::SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
-            wait_for_redis(&mut cache, s.pipeline.max_backoff, &shutdown).await?;
-            Ok::<_, PipelineError>((cache, rules))
-        }
-        .await;
-        let (cache, rules) = match started {
+        // Stopped during start-up, the member has joined no group and read nothing, so
+        // the stop owes nothing: exit 0.
+        let (cache, rules) = match self.start_up(&sink, &shutdown).await {
             Err(PipelineError::ShutDown(what)) => {
                 info!(%what, "shut down before joining the group; nothing was read");
                 return Ok(Exit::Drained);
@@ -106,100 +95,125 @@ impl Member {
         // The tasks beside the pipeline (the sweeper, the sealer) stop with the member.
         let background = CancellationToken::new();
         let holds_given = CancellationToken::new();
-        tokio::spawn(crate::cache::sweeper::sweep_forever(
-            cache.handle(),
-            s.dedup_window(),
-            s.dedup.max_record_lag,
-            holds_given.clone(),
-            background.clone(),
-        ));
-        let dead_letters = if s.dead_letter.enabled {
-            let topic = s.dead_letter_topic();
-            source::ensure_topic(&s.kafka, &topic, 1).await?;
-            Some(DeadLetters::new(source::producer_config(&s.kafka), &s.kafka.topic, topic, "run")?)
-        } else {
-            None
-        };
-
+        let (window, max_record_lag) = (s.dedup_window(), s.dedup.max_record_lag);
+        tokio::spawn(sweep_forever(cache.handle(), window, max_record_lag, holds_given.clone(), background.clone()));
+        let dead_letters = self.dead_letters().await?;
         // The flusher commits through the consumer, which is built after it: a weak
         // reference, so that dropping the consumer (leaving the group) is not delayed.
-        let consumer_cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>> = Arc::new(OnceLock::new());
+        let consumer_cell: Arc<OnceLock<Weak<GroupConsumer>>> = Arc::new(OnceLock::new());
         let fatal = FatalSignal::default();
         // The sealer: one member of the group at a time (a lease), beside the pipeline.
         tokio::spawn(crate::seal::task::seal_forever(s.clone(), fatal.clone(), background.clone()));
-        let flusher = Arc::new(Flusher::start(FlusherConfig {
-            sink: sink.clone(),
-            topic: s.kafka.topic.clone(),
-            writer: Writer::Member,
-            committer: Some(committer(consumer_cell.clone(), s.kafka.topic.clone())),
-            dead_letters,
-            cache: Some(cache.handle()),
-            health: self.health.clone(),
-            max_backoff: s.pipeline.max_backoff,
-            fatal: fatal.clone(),
-        }));
-        let (claimer, verdicts) =
-            Claimer::start(cache.handle(), s.pipeline.max_backoff, s.pipeline.claims_in_flight, self.health.clone());
-        let stages = Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.board())));
-        let planner = Arc::new(Mutex::new(Planner::for_member(s, sink, cache, rules)));
-        let paused = Arc::new(AtomicBool::new(false));
-        let context = GroupContext {
-            stages: stages.clone(),
-            planner: planner.clone(),
-            flusher: flusher.clone(),
-            topic: s.kafka.topic.clone(),
-            runtime: Handle::current(),
-            fatal: fatal.clone(),
-            shutdown: shutdown.clone(),
-            max_backoff: s.pipeline.max_backoff,
-            drain_timeout: s.pipeline.drain_timeout,
-            paused: paused.clone(),
-            lost_in_plan: std::sync::Mutex::new(None),
+        let committer = committer(consumer_cell.clone(), s.kafka.topic.clone());
+        let flusher = Arc::new(self.start_flusher(&sink, &cache, dead_letters, committer, &fatal));
+        let (max_backoff, in_flight) = (s.pipeline.max_backoff, s.pipeline.claims_in_flight);
+        let claims = Claimer::start(cache.handle(), max_backoff, in_flight, self.health.clone());
+        let shared = Shared {
+            stages: Arc::new(Mutex::new(Stages::new(StagesConfig::from_settings(s), self.health.board()))),
+            planner: Arc::new(Mutex::new(Planner::for_member(s, sink, cache, rules))),
+            flusher,
+            paused: Arc::new(AtomicBool::new(false)),
         };
-        let consumer: Arc<StreamConsumer<GroupContext>> =
-            Arc::new(source::group_consumer_config(&s.kafka).create_with_context(context)?);
-        let _ = consumer_cell.set(Arc::downgrade(&consumer));
-        consumer.subscribe(&[s.kafka.topic.as_str()])?;
-        info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
-
-        let parts = Loop {
-            consumer: &consumer,
-            stages: &stages,
-            planner: &planner,
-            flusher: &flusher,
-            claimer,
-            verdicts,
-            health: &self.health,
-            paused: &paused,
-            holds: BTreeMap::new(),
-            holds_given,
-            rewound: BTreeMap::new(),
-            max_backoff: s.pipeline.max_backoff,
-            max_unflushed: s.pipeline.max_unflushed_buckets,
-            shutdown: &shutdown,
-            log_waits: RateLimiter::new(Duration::from_secs(5)),
-            topic: &s.kafka.topic,
-        };
-        let exit = match parts.run(s, &shutdown, &fatal).await {
-            Ok(()) => drain(&stages, &flusher, s.pipeline.drain_timeout).await,
+        let consumer = join_group(s, GroupContext::new(s, &shared, &fatal, &shutdown), &consumer_cell)?;
+        let parts = Loop::new(s, &shared, &consumer, claims, &self.health, holds_given, &shutdown);
+        let exit = match parts.run(s, &fatal).await {
+            Ok(()) => drain(&shared.stages, &shared.flusher, s.pipeline.drain_timeout).await,
             Err(e) => {
                 // Fatal: do not write or commit anything more on the way out.
-                flusher.abandon();
+                shared.flusher.abandon();
                 Err(e)
             }
         };
         // Dropping the consumer leaves the group; the revoke callback runs in here.
         drop(consumer);
         background.cancel();
-        let totals = stages.lock().await.totals;
-        info!(?totals, rows_flushed = flusher.rows_flushed(), "member stopped");
+        let totals = shared.stages.lock().await.totals;
+        info!(?totals, rows_flushed = shared.flusher.rows_flushed(), "member stopped");
         exit
     }
+
+    /// The start-up steps: ClickHouse reached, the batch size registered, the topic and
+    /// the recorded dedup settings checked, Redis reached. Each waits out transient
+    /// failures (services still coming up, a cluster failing over). Returns the cache
+    /// and the recorded rules.
+    async fn start_up(
+        &self,
+        sink: &Sink,
+        shutdown: &CancellationToken,
+    ) -> Result<(SharedCache, RulesHistory), PipelineError> {
+        let s = &self.settings;
+        let backoff = s.pipeline.max_backoff;
+        until_done("reaching ClickHouse", backoff, shutdown, || async { Ok(sink.ping().await?) }).await?;
+        until_done("registering pipeline.batch_offsets", backoff, shutdown, || async {
+            Ok(sink.register_batch_offsets(&s.kafka.topic, s.pipeline.batch_offsets).await?)
+        })
+        .await?;
+        until_done("checking the topic against the stored batches", backoff, shutdown, || {
+            check_topic_not_recreated(s, sink)
+        })
+        .await?;
+        let rules =
+            until_done("checking the recorded dedup settings", backoff, shutdown, || check_recorded_rules(s, sink))
+                .await?;
+        self.health.set_clickhouse(true);
+        check_topic_config(s).await?;
+        let mut cache = SharedCache::connect(&s.redis, &s.rules(), &s.kafka.topic)?;
+        wait_for_redis(&mut cache, backoff, shutdown).await?;
+        Ok((cache, rules))
+    }
+
+    /// The producer of dead letters, its topic made if missing (`None` when disabled).
+    async fn dead_letters(&self) -> Result<Option<DeadLetters>, PipelineError> {
+        let s = &self.settings;
+        if !s.dead_letter.enabled {
+            return Ok(None);
+        }
+        let topic = s.dead_letter_topic();
+        source::ensure_topic(&s.kafka, &topic, 1).await?;
+        Ok(Some(DeadLetters::new(source::producer_config(&s.kafka), &s.kafka.topic, topic, "run")?))
+    }
+
+    /// The flusher task of this member: its writes, then its commits through `committer`.
+    fn start_flusher(
+        &self,
+        sink: &Sink,
+        cache: &SharedCache,
+        dead_letters: Option<DeadLetters>,
+        committer: Committer,
+        fatal: &FatalSignal,
+    ) -> Flusher {
+        let s = &self.settings;
+        Flusher::start(FlusherConfig {
+            sink: sink.clone(),
+            topic: s.kafka.topic.clone(),
+            writer: Writer::Member,
+            committer: Some(committer),
+            dead_letters,
+            cache: Some(cache.handle()),
+            health: self.health.clone(),
+            max_backoff: s.pipeline.max_backoff,
+            fatal: fatal.clone(),
+        })
+    }
+}
+
+/// The group consumer with `context`, subscribed to the topic; `cell` holds it for the
+/// committer from before the subscription on.
+fn join_group(
+    s: &Settings,
+    context: GroupContext,
+    cell: &OnceLock<Weak<GroupConsumer>>,
+) -> Result<Arc<GroupConsumer>, PipelineError> {
+    let consumer: Arc<GroupConsumer> = Arc::new(source::group_consumer_config(&s.kafka).create_with_context(context)?);
+    let _ = cell.set(Arc::downgrade(&consumer));
+    consumer.subscribe(&[s.kafka.topic.as_str()])?;
+    info!(topic = %s.kafka.topic, group = %s.kafka.group, batch_offsets = s.pipeline.batch_offsets, "member started");
+    Ok(consumer)
 }
 
 /// Commits `offsets` through the group consumer, once it exists and while it does:
 /// before it is built or once it is dropped, a commit is [`CommitError::NoConsumer`].
-fn committer(cell: Arc<OnceLock<Weak<StreamConsumer<GroupContext>>>>, topic: String) -> Committer {
+fn committer(cell: Arc<OnceLock<Weak<GroupConsumer>>>, topic: String) -> Committer {
     Box::new(move |offsets: &BTreeMap<i32, i64>, mode: CommitMode| {
         let consumer = cell.get().and_then(Weak::upgrade).ok_or(CommitError::NoConsumer)?;
         let mut tpl = TopicPartitionList::new();

@@ -8,19 +8,23 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
-use rdkafka::message::Message;
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{BorrowedMessage, Message};
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::rebalance::GroupContext;
+use super::Shared;
 use crate::cache::{Claimer, DedupError, Lost, Recovery, Verdicts};
 use crate::config::Settings;
+use crate::dedup::{Secs, Verdict};
 use crate::flusher::Flusher;
 use crate::health::Health;
 use crate::pipeline::{Prepared, Stages};
 use crate::planner::{stopped_while, PipelineError, Planner};
+use crate::record::{Decoder, Record};
 use crate::retry::{FatalSignal, Retry};
 use crate::source;
 use crate::telemetry::{self as t, RateLimiter};
@@ -35,162 +39,239 @@ pub(super) const SEEK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The loop and what it drives.
 pub(super) struct Loop<'a> {
-    pub(super) consumer: &'a StreamConsumer<GroupContext>,
-    pub(super) stages: &'a Mutex<Stages>,
-    pub(super) planner: &'a Mutex<Planner>,
-    pub(super) flusher: &'a Flusher,
-    pub(super) claimer: Claimer,
-    pub(super) verdicts: Verdicts,
-    pub(super) health: &'a Health,
+    consumer: &'a StreamConsumer<GroupContext>,
+    stages: &'a Mutex<Stages>,
+    planner: &'a Mutex<Planner>,
+    flusher: &'a Flusher,
+    claimer: Claimer,
+    verdicts: Verdicts,
+    health: &'a Health,
     /// Shared with the rebalance callbacks (`GroupContext::paused`).
-    pub(super) paused: &'a AtomicBool,
+    paused: &'a AtomicBool,
+    /// Poll batches whose claims are in Redis, oldest first; their verdicts come back
+    /// in this order: `pipeline.claims_in_flight` in Redis, and one more being decoded.
+    in_flight: VecDeque<Prepared>,
+    /// Set when a claim found the dedup cache lost: no more batches are read until
+    /// those in flight are answered, then every partition starts over.
+    lost: Option<Lost>,
     /// The holds last given to the sweeper (`Stages::holds`), in the namespace in use.
-    pub(super) holds: BTreeMap<i32, Option<crate::dedup::Secs>>,
+    holds: BTreeMap<i32, Option<Secs>>,
+    /// When the holds were last given (`Loop::give_holds`).
+    last_holds: Instant,
     /// Cancelled once the holds of a first assignment were given: the sweeper's first
     /// walk waits for it (`sweeper::sweep_forever`).
-    pub(super) holds_given: CancellationToken,
+    holds_given: CancellationToken,
     /// Partitions paused after a rewind, and when they resume (`Loop::rewind`).
-    pub(super) rewound: BTreeMap<i32, Instant>,
-    pub(super) max_backoff: Duration,
+    rewound: BTreeMap<i32, Instant>,
+    max_backoff: Duration,
     /// `pipeline.max_unflushed_buckets`: consumption pauses there.
-    pub(super) max_unflushed: usize,
-    pub(super) shutdown: &'a CancellationToken,
-    pub(super) log_waits: RateLimiter,
-    pub(super) topic: &'a str,
+    max_unflushed: usize,
+    shutdown: &'a CancellationToken,
+    log_waits: RateLimiter,
+    log_kafka: RateLimiter,
+    topic: &'a str,
 }
 
-impl Loop<'_> {
-    pub(super) async fn run(
-        mut self,
-        s: &Settings,
-        shutdown: &CancellationToken,
-        fatal: &FatalSignal,
-    ) -> Result<(), PipelineError> {
-        let max_unflushed = self.max_unflushed;
+impl<'a> Loop<'a> {
+    /// The loop of a member of `s`'s group over `consumer`, which drives `shared` and
+    /// hands its claims to the claim task (`claims`: its handle and its verdicts).
+    pub(super) fn new(
+        s: &'a Settings,
+        shared: &'a Shared,
+        consumer: &'a StreamConsumer<GroupContext>,
+        claims: (Claimer, Verdicts),
+        health: &'a Health,
+        holds_given: CancellationToken,
+        shutdown: &'a CancellationToken,
+    ) -> Loop<'a> {
+        let (claimer, verdicts) = claims;
+        Loop {
+            consumer,
+            stages: &shared.stages,
+            planner: &shared.planner,
+            flusher: &shared.flusher,
+            claimer,
+            verdicts,
+            health,
+            paused: &shared.paused,
+            in_flight: VecDeque::new(),
+            lost: None,
+            holds: BTreeMap::new(),
+            last_holds: Instant::now(),
+            holds_given,
+            rewound: BTreeMap::new(),
+            max_backoff: s.pipeline.max_backoff,
+            max_unflushed: s.pipeline.max_unflushed_buckets,
+            shutdown,
+            log_waits: RateLimiter::new(Duration::from_secs(5)),
+            log_kafka: RateLimiter::new(Duration::from_secs(5)),
+            topic: &s.kafka.topic,
+        }
+    }
+
+    /// Runs until shutdown (`Ok`) or a fatal error.
+    pub(super) async fn run(mut self, s: &Settings, fatal: &FatalSignal) -> Result<(), PipelineError> {
         let mut chunks = self.consumer.stream().ready_chunks(s.pipeline.max_poll_records);
         let mut ticker = tokio::time::interval(s.pipeline.flush_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // Poll batches whose claims are in Redis, oldest first; their verdicts come back
-        // in this order: `pipeline.claims_in_flight` in Redis, and one more being decoded.
         let max_in_flight = s.pipeline.claims_in_flight + 1;
-        let mut in_flight: VecDeque<Prepared> = VecDeque::new();
-        let kafka_log = RateLimiter::new(Duration::from_secs(5));
         let decoder = crate::schema_registry::decoder(s)?;
-        // Set when a claim found the dedup cache lost: no more batches are read until
-        // those in flight are answered, then every partition starts over.
-        let mut lost: Option<Lost> = None;
-        let mut last_holds = Instant::now();
+        let shutdown = self.shutdown;
         let mut clock = t::StageClock::new("loop");
-
         loop {
-            if let Some(l) = self.consumer.context().lost_in_plan.lock().expect("not poisoned").take() {
-                lost.get_or_insert(l);
-            }
-            if in_flight.is_empty() {
-                if let Some(l) = lost.take() {
-                    self.start_over(&l, s.pipeline.max_backoff, shutdown).await?;
-                }
-            }
-            let paused = self.backpressure(max_unflushed).await?;
+            self.after_loss().await?;
+            let paused = self.backpressure(self.max_unflushed).await?;
             clock.mark("busy");
             tokio::select! {
                 biased;
                 _ = shutdown.cancelled() => return Ok(()),
                 message = fatal.raised() => return Err(PipelineError::Fatal(message)),
-                answer = self.verdicts.recv(), if !in_flight.is_empty() => {
+                answer = self.verdicts.recv(), if !self.in_flight.is_empty() => {
                     clock.mark("waiting_for_claims");
-                    let prepared = in_flight.pop_front().expect("checked");
-                    metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
-                    match answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))? {
-                        Ok(verdicts) if lost.is_none() => {
-                            if let Some(l) = self.apply(prepared, verdicts).await? {
-                                lost = Some(l);
-                            }
-                        }
-                        // After a loss, every batch is read again once the member started over.
-                        Ok(_) => {}
-                        Err(DedupError::Lost(l)) => {
-                            lost.get_or_insert(l);
-                        }
-                        Err(e) => return Err(e.into()),
-                    }
+                    self.answered(answer).await?;
                 }
                 // Always armed: besides cutting flushes, the tick re-checks backpressure
                 // while consumption is paused and nothing else wakes the loop.
                 _ = ticker.tick() => {
                     clock.mark("waiting_for_tick");
-                    if self.flusher.has_room() {
-                        let job = self.stages.lock().await.cut(CommitMode::Async);
-                        self.flusher.send(job).await;
-                    }
-                    if in_flight.is_empty() && lost.is_none() {
-                        // An idle member asks the cache too whether it still holds what the
-                        // member relies on: a loss must be noticed (and this member's
-                        // partitions rebuilt) even where no click arrives.
-                        self.claimer.claim(Default::default());
-                        in_flight.push_back(Prepared::empty());
-                    }
-                    self.resume_rewound()?;
-                    // Until the first assignment's holds are given (the sweeper waits for
-                    // them), and whenever the partitions read changed, at once.
-                    if last_holds.elapsed() >= HOLDS_EVERY || self.holds_outdated().await {
-                        last_holds = Instant::now();
-                        self.give_holds().await;
-                    }
+                    self.tick().await?;
                 }
                 // Polled even with every batch slot in flight while paused: polling keeps the
                 // member in the group and serves rebalances through a long outage, and
                 // little arrives once consumption is paused.
-                chunk = chunks.next(), if (in_flight.len() < max_in_flight || paused) && lost.is_none() => {
+                chunk = chunks.next(), if (self.in_flight.len() < max_in_flight || paused) && self.lost.is_none() => {
                     clock.mark("waiting_for_kafka");
                     let Some(chunk) = chunk else { return Ok(()) };
-                    // Stopped at a batch the client cannot decode: nothing more is taken in.
-                    if self.health.undecodable() {
-                        continue;
-                    }
-                    metrics::histogram!(t::POLL_BATCH_RECORDS).record(chunk.len() as f64);
-                    // Avro and Protobuf: the schemas this batch names, before any is decoded
-                    // (a registry outage waits here, consumption paused with it).
-                    let ids = decoder.schema_ids(chunk.iter().flatten().map(|m| m.payload()));
-                    decoder
-                        .resolve(ids, s.pipeline.max_backoff, shutdown, |ok| self.health.set_schema_registry(ok))
-                        .await
-                        .map_err(|stopped| stopped_while(stopped.map(|e| PipelineError::Fatal(e.to_string())), "fetching schemas"))?;
-                    let mut records = Vec::with_capacity(chunk.len());
-                    for message in chunk {
-                        match message {
-                            Ok(msg) => records.push(source::decode(&msg, &decoder)),
-                            Err(e) => {
-                                metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
-                                if source::is_fatal_kafka(e.rdkafka_error_code()) {
-                                    fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
-                                }
-                                if source::is_undecodable(e.rdkafka_error_code()) {
-                                    self.stop_undecodable(&e);
-                                    // What came after it in this poll batch is dropped, unread.
-                                    break;
-                                }
-                                if kafka_log.allow("consume", Instant::now()).is_some() {
-                                    warn!(error = %e, "kafka consume error");
-                                }
-                            }
-                        }
-                    }
-                    let mut prepared = {
-                        let mut st = self.stages.lock().await;
-                        let mut planner = self.planner.lock().await;
-                        planner.ensure_pins(&mut st, &records, shutdown, s.pipeline.max_backoff).await?;
-                        drop(planner);
-                        st.prepare(records)
-                    };
-                    // Every batch goes through the claim task, claims or not, so that
-                    // the verdicts come back in batch order.
-                    self.claimer.claim(prepared.take_claims());
-                    metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).increment(prepared.len() as f64);
-                    in_flight.push_back(prepared);
+                    self.take_in(chunk, &decoder, fatal).await?;
                 }
             }
         }
+    }
+
+    /// A loss that planning an assignment found is the loop's to handle; once no batch
+    /// is in flight, a loss starts every partition over.
+    async fn after_loss(&mut self) -> Result<(), PipelineError> {
+        if let Some(l) = self.consumer.context().lost_in_plan.lock().expect("not poisoned").take() {
+            self.lost.get_or_insert(l);
+        }
+        if self.in_flight.is_empty() {
+            if let Some(l) = self.lost.take() {
+                self.start_over(&l, self.max_backoff, self.shutdown).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The claim task answered the oldest batch in flight: its verdicts are applied,
+    /// unless the cache was found lost (then every batch is read again once the member
+    /// started over).
+    async fn answered(&mut self, answer: Option<Result<Vec<Verdict>, DedupError>>) -> Result<(), PipelineError> {
+        let prepared = self.in_flight.pop_front().expect("checked");
+        metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).decrement(prepared.len() as f64);
+        match answer.ok_or_else(|| PipelineError::Fatal("the claim task stopped".into()))? {
+            Ok(verdicts) if self.lost.is_none() => {
+                if let Some(l) = self.apply(prepared, verdicts).await? {
+                    self.lost = Some(l);
+                }
+            }
+            Ok(_) => {}
+            Err(DedupError::Lost(l)) => {
+                self.lost.get_or_insert(l);
+            }
+            Err(e) => return Err(e.into()),
+        }
+        Ok(())
+    }
+
+    /// The flush ticker: cuts a flush, has an idle member ask the cache, resumes the
+    /// partitions rewound long enough, and gives the sweeper its holds.
+    async fn tick(&mut self) -> Result<(), PipelineError> {
+        if self.flusher.has_room() {
+            let job = self.stages.lock().await.cut(CommitMode::Async);
+            self.flusher.send(job).await;
+        }
+        if self.in_flight.is_empty() && self.lost.is_none() {
+            // An idle member asks the cache too whether it still holds what the
+            // member relies on: a loss must be noticed (and this member's
+            // partitions rebuilt) even where no click arrives.
+            self.claimer.claim(Default::default());
+            self.in_flight.push_back(Prepared::empty());
+        }
+        self.resume_rewound()?;
+        // Until the first assignment's holds are given (the sweeper waits for
+        // them), and whenever the partitions read changed, at once.
+        if self.last_holds.elapsed() >= HOLDS_EVERY || self.holds_outdated().await {
+            self.last_holds = Instant::now();
+            self.give_holds().await;
+        }
+        Ok(())
+    }
+
+    /// A poll batch from Kafka: decoded, prepared, and its claims handed to the claim
+    /// task. Nothing is taken in once the member stopped at a batch the client cannot
+    /// decode.
+    async fn take_in(
+        &mut self,
+        chunk: Vec<KafkaResult<BorrowedMessage<'_>>>,
+        decoder: &Decoder,
+        fatal: &FatalSignal,
+    ) -> Result<(), PipelineError> {
+        if self.health.undecodable() {
+            return Ok(());
+        }
+        metrics::histogram!(t::POLL_BATCH_RECORDS).record(chunk.len() as f64);
+        let records = self.decode(chunk, decoder, fatal).await?;
+        let mut prepared = {
+            let mut st = self.stages.lock().await;
+            let mut planner = self.planner.lock().await;
+            planner.ensure_pins(&mut st, &records, self.shutdown, self.max_backoff).await?;
+            drop(planner);
+            st.prepare(records)
+        };
+        // Every batch goes through the claim task, claims or not, so that
+        // the verdicts come back in batch order.
+        self.claimer.claim(prepared.take_claims());
+        metrics::gauge!(t::RECORDS_AWAITING_CLAIMS).increment(prepared.len() as f64);
+        self.in_flight.push_back(prepared);
+        Ok(())
+    }
+
+    /// Decodes a poll batch. Avro and Protobuf: the schemas it names are fetched before
+    /// any record is decoded (a registry outage waits here, consumption paused with it).
+    /// A consume error is counted (and raises `fatal` when Kafka refuses the member);
+    /// at a record batch the client cannot decode the member stops taking in records,
+    /// and what came after it in this poll batch is dropped, unread.
+    async fn decode(
+        &self,
+        chunk: Vec<KafkaResult<BorrowedMessage<'_>>>,
+        decoder: &Decoder,
+        fatal: &FatalSignal,
+    ) -> Result<Vec<Record>, PipelineError> {
+        let ids = decoder.schema_ids(chunk.iter().flatten().map(|m| m.payload()));
+        let health = self.health;
+        decoder.resolve(ids, self.max_backoff, self.shutdown, |ok| health.set_schema_registry(ok)).await.map_err(
+            |stopped| stopped_while(stopped.map(|e| PipelineError::Fatal(e.to_string())), "fetching schemas"),
+        )?;
+        let mut records = Vec::with_capacity(chunk.len());
+        for message in chunk {
+            match message {
+                Ok(msg) => records.push(source::decode(&msg, decoder)),
+                Err(e) => {
+                    metrics::counter!(t::KAFKA_ERRORS, "op" => "consume").increment(1);
+                    if source::is_fatal_kafka(e.rdkafka_error_code()) {
+                        fatal.raise(format!("Kafka refused this member: {e}; check the kafka security settings"));
+                    }
+                    if source::is_undecodable(e.rdkafka_error_code()) {
+                        self.stop_undecodable(&e);
+                        break;
+                    }
+                    if self.log_kafka.allow("consume", Instant::now()).is_some() {
+                        warn!(error = %e, "kafka consume error");
+                    }
+                }
+            }
+        }
+        Ok(records)
     }
 
     /// After a claim found the dedup cache lost: moves to a new namespace (or the one
@@ -292,7 +373,7 @@ impl Loop<'_> {
     pub(super) async fn apply(
         &mut self,
         prepared: Prepared,
-        verdicts: Vec<crate::dedup::Verdict>,
+        verdicts: Vec<Verdict>,
     ) -> Result<Option<Lost>, PipelineError> {
         let mut st = self.stages.lock().await;
         let applied = st.apply(prepared, verdicts);

@@ -17,7 +17,9 @@ use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::Shared;
 use crate::cache::{DedupError, Lost};
+use crate::config::Settings;
 use crate::flusher::Flusher;
 use crate::pipeline::Stages;
 use crate::planner::{PipelineError, Planner};
@@ -52,6 +54,29 @@ pub struct GroupContext {
 }
 
 impl GroupContext {
+    /// The context of a member of `s`'s group, reaching `shared`'s stages, planner and
+    /// flusher.
+    pub(super) fn new(
+        s: &Settings,
+        shared: &Shared,
+        fatal: &FatalSignal,
+        shutdown: &CancellationToken,
+    ) -> GroupContext {
+        GroupContext {
+            stages: shared.stages.clone(),
+            planner: shared.planner.clone(),
+            flusher: shared.flusher.clone(),
+            topic: s.kafka.topic.clone(),
+            runtime: Handle::current(),
+            fatal: fatal.clone(),
+            shutdown: shutdown.clone(),
+            max_backoff: s.pipeline.max_backoff,
+            drain_timeout: s.pipeline.drain_timeout,
+            paused: shared.paused.clone(),
+            lost_in_plan: std::sync::Mutex::new(None),
+        }
+    }
+
     /// Runs `f` on this worker thread: callbacks run inside the loop's poll of the
     /// consumer, and flushing or planning needs async I/O.
     pub(super) fn block_on<R>(&self, f: impl std::future::Future<Output = R>) -> R {
