@@ -53,6 +53,7 @@ use proptest::prelude::*;
 use self::log::{Ev, Log, WINDOWS};
 use self::oracle::CrossClick;
 use self::system::{Fate, Member, Replay, World};
+use crate::dedup::Secs;
 use crate::position::BatchOffsets;
 use crate::sealing::Grain;
 
@@ -179,7 +180,7 @@ struct Run {
 impl Run {
     fn new(log: Log, n: u64) -> Run {
         let n = BatchOffsets::new(n).expect("positive");
-        Run { w: World::new(log, n, WINDOWS[0]), members: Vec::new(), replays: Vec::new() }
+        Run { w: World::new(log, n, Secs::new(WINDOWS[0])), members: Vec::new(), replays: Vec::new() }
     }
 
     fn all(&self) -> Vec<i32> {
@@ -335,7 +336,7 @@ impl Run {
             Op::Settings { window, graceful } => {
                 self.stop_all(*graceful);
                 let w = &mut self.w;
-                let window = WINDOWS[usize::from(*window) % WINDOWS.len()];
+                let window = Secs::new(WINDOWS[usize::from(*window) % WINDOWS.len()]);
                 if window != w.versions[w.latest()].window {
                     let from: Vec<i64> = (0..w.partitions()).map(|p| w.boundary(p, w.committed[p as usize])).collect();
                     // `Sink::delete_rows_from`: the rows past the committed offsets go first.
@@ -518,7 +519,7 @@ impl Run {
         };
         STATS.cross.fetch_add(w.log.cross.len(), Relaxed);
         STATS.exposed.fetch_add(w.log.cross.iter().filter(|c| fixed(c) != oracle::Fixed::Once).count(), Relaxed);
-        let window_at = |p: usize, o: usize| w.versions[w.version_at(p, o)].window;
+        let window_at = |p: usize, o: usize| w.versions[w.version_at(p, o)].window.get();
         for (grain, secs) in grains {
             let bounds = oracle::expected(&w.log.parts, &w.log.cross, &fixed, &window_at, secs, &|p, o| {
                 stands_in(grain, secs, p, o)
@@ -775,7 +776,7 @@ fn a_settings_change_keeps_the_rows_decided_under_the_old_settings_past_the_comm
     run.op(&Op::Read { m: 0, p: 0, k: 2, then: None, cut: false });
     run.op(&Op::Stop { m: 0 });
     run.op(&Op::Settings { window: 1, graceful: true });
-    assert_eq!(run.w.versions[1].window, 14);
+    assert_eq!(run.w.versions[1].window, Secs::new(14));
     assert!(run.finish(false));
     let minute = log::T0 - log::T0 % 60;
     assert_eq!(run.w.billing(Grain::Minute), BTreeMap::from([((0, minute), 1)]), "ad 1 counts nothing now");

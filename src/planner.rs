@@ -560,7 +560,7 @@ async fn marks_from(
             None => log_start,
             Some(c) => {
                 let from = need.map_or(c, |n| n.min(c)).saturating_sub(window);
-                sink.clock_before_time(topic, p, b.low, near.0, from).await?.unwrap_or(log_start)
+                sink.clock_before_time(topic, p, b.low, near.0, from.get()).await?.unwrap_or(log_start)
             }
         };
         let lookback = if lookback.0 > near.0 { near } else { lookback };
@@ -578,7 +578,7 @@ pub fn lagging_clock(everyone: &BTreeMap<i32, Boundary>, nears: &BTreeMap<i32, (
     for (q, _) in everyone.iter().filter(|(_, b)| b.boundary < b.high) {
         match nears.get(q).and_then(|(_, c)| c.get()) {
             Some(c) => need = Some(need.map_or(c, |n| n.min(c))),
-            None => return Some(0),
+            None => return Some(Secs::ZERO),
         }
     }
     need
@@ -594,14 +594,14 @@ mod tests {
 
     #[test]
     fn the_lagging_clock_is_the_earliest_of_the_partitions_with_records_left_to_read() {
-        let at = |c: Secs| (100, PartitionClock::at(Some(c)));
+        let at = |c: u32| (100, PartitionClock::at(Some(Secs::new(c))));
         let everyone = BTreeMap::from([(0, b(100, 500)), (1, b(100, 900)), (2, b(100, 100))]);
         let nears = BTreeMap::from([(0, at(5_000)), (1, at(4_000)), (2, at(1_000))]);
         // Partition 2 is read to its end: it judges nothing more.
-        assert_eq!(lagging_clock(&everyone, &nears), Some(4_000));
+        assert_eq!(lagging_clock(&everyone, &nears), Some(Secs::new(4_000)));
         // A partition never read (no clock recorded) may hold records of any time.
         let fresh = BTreeMap::from([(0, at(5_000)), (1, (0, PartitionClock::default())), (2, at(1_000))]);
-        assert_eq!(lagging_clock(&everyone, &fresh), Some(0));
+        assert_eq!(lagging_clock(&everyone, &fresh), Some(Secs::ZERO));
         let done = BTreeMap::from([(0, b(500, 500))]);
         assert_eq!(lagging_clock(&done, &nears), None);
     }

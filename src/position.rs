@@ -194,7 +194,7 @@ pub fn merge_frontiers(groups: &[Option<CacheFrontier>], m: Marks) -> (Option<Ca
     if known == 0 {
         return (None, false);
     }
-    let restarted = CacheFrontier { claimed: m.lookback.0 - 1, clock: 0, exact_from: m.boundary };
+    let restarted = CacheFrontier { claimed: m.lookback.0 - 1, clock: Secs::ZERO, exact_from: m.boundary };
     let all = groups.iter().map(|g| g.unwrap_or(restarted));
     let lowest = all.clone().min_by_key(|f| f.claimed).expect("not empty");
     let exact_from = all.map(|f| f.exact_from).max().expect("not empty");
@@ -234,19 +234,19 @@ mod tests {
         BatchOffsets::new(v).unwrap()
     }
 
-    fn clock(secs: Secs) -> PartitionClock {
-        PartitionClock::at(Some(secs))
+    fn clock(secs: u32) -> PartitionClock {
+        PartitionClock::at(Some(Secs::new(secs)))
     }
 
     /// Counting from 1 000, the nearest recorded clock at 900, the lookback at 400.
     const M: Marks = Marks {
         boundary: 1_000,
-        near: (900, PartitionClock::from_parts(Some(4_900), None)),
-        lookback: (400, PartitionClock::from_parts(Some(3_000), None)),
+        near: (900, PartitionClock::from_parts(Some(Secs::new(4_900)), None)),
+        lookback: (400, PartitionClock::from_parts(Some(Secs::new(3_000)), None)),
     };
 
     fn at(claimed: i64, exact_from: i64) -> Option<CacheFrontier> {
-        Some(CacheFrontier { claimed, clock: 0, exact_from })
+        Some(CacheFrontier { claimed, clock: Secs::new(0), exact_from })
     }
 
     #[test]
@@ -300,7 +300,7 @@ mod tests {
 
     #[test]
     fn key_groups_merge_to_the_lowest_frontier_and_a_group_that_lost_the_partition_is_restarted() {
-        let f = |claimed, exact_from| Some(CacheFrontier { claimed, clock: claimed as Secs, exact_from });
+        let f = |claimed, exact_from| Some(CacheFrontier { claimed, clock: Secs::new(claimed as u32), exact_from });
         assert_eq!(merge_frontiers(&[None, None], M), (None, false), "never read");
         assert_eq!(merge_frontiers(&[f(700, 0)], M), (f(700, 0), false), "a single Redis");
         // A crash between the calls of one batch: one group is a batch ahead.
@@ -310,7 +310,7 @@ mod tests {
         // One group lost its state: it counts as restarted at the lookback (400) and
         // exact from the boundary (1 000), so the member warms up from the lookback...
         let lost = merge_frontiers(&[f(1_200, 0), None], M);
-        assert_eq!(lost, (Some(CacheFrontier { claimed: 399, clock: 0, exact_from: 1_000 }), true));
+        assert_eq!(lost, (Some(CacheFrontier { claimed: 399, clock: Secs::new(0), exact_from: 1_000 }), true));
         assert_eq!(shared_start(0, M, lost.0).read_from, 400);
         // ...unless another group is exact only from beyond the boundary: private.
         let stricter = merge_frontiers(&[f(1_200, 1_100), None], M).0;

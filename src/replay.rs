@@ -688,7 +688,7 @@ mod tests {
     fn a_superseding_replay_cuts_whole_batches_only_also_at_its_last_cut() {
         let cfg = StagesConfig {
             batch_offsets: n(10),
-            window: 86_400,
+            window: crate::dedup::Secs::new(86_400),
             max_record_lag: Duration::from_secs(3600),
             dead_letters: false,
         };

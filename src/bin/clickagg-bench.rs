@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use clap::{Parser, Subcommand, ValueEnum};
 use clickagg::cache::SharedCache;
 use clickagg::config::{KafkaSettings, Settings};
-use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprinter, ReaderClaim, Sighting};
+use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprinter, ReaderClaim, Secs, Sighting};
 use futures_util::StreamExt;
 use rand::{Rng, SeedableRng};
 use rdkafka::consumer::{Consumer, StreamConsumer};
@@ -194,11 +194,11 @@ fn private_memory(clicks: u64) -> anyhow::Result<()> {
     let fingerprints = Fingerprinter::new("bench");
     let before = resident_bytes()?;
     let started = Instant::now();
-    let mut scope = clickagg::dedup::PrivateScope::new(86_400);
+    let mut scope = clickagg::dedup::PrivateScope::new(Secs::new(86_400));
     for i in 0..clicks {
         let fp = fingerprints.of(&format!("click-{i}"));
         // A day of record time: everything stays within the window.
-        scope.sight(0, fp.0, 1_700_000_000 + (i * 86_400 / clicks.max(1)) as u32, None);
+        scope.sight(0, fp.0, Secs::new(1_700_000_000 + (i * 86_400 / clicks.max(1)) as u32), None);
     }
     let after = resident_bytes()?;
     let held = scope.len() as f64;
@@ -261,7 +261,7 @@ fn claims(n: u64, fingerprints: &Fingerprinter) -> Vec<Claim> {
                 }
                 fp
             };
-            let sighting = Sighting::at((i % 4) as i32, (i / 4) as i64, now);
+            let sighting = Sighting::at((i % 4) as i32, (i / 4) as i64, Secs::new(now));
             Claim { fingerprint: fp, sighting, mode: ClaimMode::default() }
         })
         .collect()
@@ -497,7 +497,7 @@ async fn memory(redis_url: String, keys: u64, layout: Layout) -> anyhow::Result<
                 let chunk: Vec<Claim> = (start..(start + 2_000).min(keys))
                     .map(|i| {
                         let id = format!("{:032x}", rng.random::<u128>());
-                        let sighting = Sighting::at((i % 4) as i32, (i / 4) as i64, now);
+                        let sighting = Sighting::at((i % 4) as i32, (i / 4) as i64, Secs::new(now));
                         Claim { fingerprint: fingerprints.of(&id), sighting, mode: ClaimMode::default() }
                     })
                     .collect();

@@ -73,8 +73,8 @@ impl SharedCache {
             blob.extend_from_slice(&c.fingerprint.field());
             blob.extend_from_slice(&(s.partition as u16).to_be_bytes());
             blob.extend_from_slice(&(s.offset as u64).to_be_bytes()[2..]);
-            blob.extend_from_slice(&s.clock.to_be_bytes());
-            blob.extend_from_slice(&s.now.to_be_bytes());
+            blob.extend_from_slice(&s.clock.get().to_be_bytes());
+            blob.extend_from_slice(&s.now.get().to_be_bytes());
             blob.push(
                 u8::from(c.mode.pin.is_some())
                     | u8::from(c.mode.warm) << 1
@@ -101,7 +101,7 @@ impl SharedCache {
         }
         let named: Vec<String> = partitions.iter().map(i32::to_string).collect();
         cmd.arg(&ns)
-            .arg(self.window)
+            .arg(self.window.get())
             .arg(blob)
             .arg(named.join(","))
             .arg(marks)
@@ -166,7 +166,7 @@ impl SharedCache {
         for (&p, &(o, clock)) in &marks {
             mark_blob.extend_from_slice(&(p as u16).to_be_bytes());
             mark_blob.extend_from_slice(&(o as u64).to_be_bytes()[2..]);
-            mark_blob.extend_from_slice(&clock.to_be_bytes());
+            mark_blob.extend_from_slice(&clock.get().to_be_bytes());
         }
         let mut prev_blob = Vec::with_capacity(prev.len() * 8);
         for (&p, &o) in prev {
@@ -428,7 +428,7 @@ impl SharedCache {
             for (&p, v) in partitions.iter().zip(values) {
                 let f = v.filter(|v| v.len() == 16).map(|v| CacheFrontier {
                     claimed: u48(&v[..6]) - 1,
-                    clock: Secs::from_be_bytes(v[6..10].try_into().expect("4 bytes")),
+                    clock: Secs::new(u32::from_be_bytes(v[6..10].try_into().expect("4 bytes"))),
                     exact_from: u48(&v[10..16]),
                 });
                 out.entry(p).or_default().push(f);
@@ -514,10 +514,10 @@ mod tests {
     #[tokio::test]
     async fn a_partition_read_through_the_cache_must_keep_its_frontier_before_anything_is_acknowledged() {
         let mut c = cache();
-        let reached = [Sighting::at(3, 41, 1_000)];
+        let reached = [Sighting::at(3, 41, Secs::new(1_000))];
         let claims = [Claim {
             fingerprint: crate::dedup::Fingerprint(7),
-            sighting: Sighting::at(3, 40, 1_000),
+            sighting: Sighting::at(3, 40, Secs::new(1_000)),
             mode: Default::default(),
         }];
         let calls = c.claim_calls(&claims, &reached, &BTreeMap::new()).await.unwrap();

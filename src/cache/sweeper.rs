@@ -74,5 +74,5 @@ pub async fn sweep_forever(
 pub fn sweep_cutoff(now: i64, window: Duration, max_record_lag: Duration, held: Option<Secs>) -> Secs {
     let by_wall = now - (window + max_record_lag).as_secs() as i64;
     let by_hold = held.map_or(i64::MAX, |h| i64::from(h) - window.as_secs() as i64 - 1);
-    by_wall.min(by_hold).clamp(0, i64::from(Secs::MAX)) as Secs
+    Secs::new(by_wall.min(by_hold).clamp(0, i64::from(Secs::MAX)) as u32)
 }

@@ -20,7 +20,7 @@ impl SharedCache {
         let cmds = holds
             .iter()
             .map(|(&p, &hold)| match hold {
-                Some(t) => redis::cmd("HSET").arg(&key).arg(p).arg(t).clone(),
+                Some(t) => redis::cmd("HSET").arg(&key).arg(p).arg(t.get()).clone(),
                 None => redis::cmd("HDEL").arg(&key).arg(p).clone(),
             })
             .collect();
@@ -29,8 +29,8 @@ impl SharedCache {
 
     /// The lowest record time a lagging reader holds, if any.
     pub(super) async fn lowest_hold(&mut self) -> Result<Option<Secs>, DedupError> {
-        let held: Vec<Secs> = self.query(redis::cmd("HVALS").arg(self.holds_key()).clone(), 0).await?;
-        Ok(held.into_iter().min())
+        let held: Vec<u32> = self.query(redis::cmd("HVALS").arg(self.holds_key()).clone(), 0).await?;
+        Ok(held.into_iter().min().map(Secs::new))
     }
 
     /// The cross-partition decisions of `partition` in `[from, to]` still in the cache
@@ -103,7 +103,11 @@ impl SharedCache {
                 // The group's frontier first: the sweep keeps what a partition with no
                 // clock there may still confirm.
                 let mut cmd = redis::cmd("FCALL");
-                cmd.arg(&self.functions.sweep).arg(keys.len() + 1).arg(self.frontier_key(g)).arg(keys).arg(cutoff);
+                cmd.arg(&self.functions.sweep)
+                    .arg(keys.len() + 1)
+                    .arg(self.frontier_key(g))
+                    .arg(keys)
+                    .arg(cutoff.get());
                 cmd
             })
             .collect();

@@ -57,7 +57,7 @@ impl Rules {
 
     /// The window `W` in record-time seconds, the unit every decision compares in.
     pub fn window(&self) -> Secs {
-        Secs::try_from(self.window_secs).unwrap_or(Secs::MAX)
+        Secs::saturating_from(self.window_secs)
     }
 
     /// A short name of all of them together: part of the dedup cache's namespace.
@@ -162,7 +162,7 @@ mod tests {
 
     #[test]
     fn the_window_is_in_seconds_and_each_moved_field_is_named_as_its_own_setting() {
-        assert_eq!(rules().window(), 86_400);
+        assert_eq!(rules().window(), Secs::new(86_400));
         assert_eq!(Rules { window_secs: u64::MAX, ..rules() }.window(), Secs::MAX, "saturates");
         let mut moved = rules();
         moved.reading.fields.click_id = crate::click::FieldPath::parse("id").unwrap();

@@ -24,14 +24,75 @@
 //! order): a reader that starts from a recorded [`PartitionClock`] (a checkpoint at a
 //! batch boundary) computes the same record times as the reader that wrote it.
 
-/// Seconds since the epoch, in record time.
-pub type Secs = u32;
+/// Whole seconds in record time: a time since the epoch (a clock, a sighting's record
+/// time), or a span of them (the window `W`, [`CLOCK_JUMP`]). Every dedup decision
+/// compares in it; 0 is "no clock yet", [`Secs::MAX`] is 2106-02-07T06:28:15Z.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Secs(u32);
+
+impl Secs {
+    pub const ZERO: Secs = Secs(0);
+    pub const MAX: Secs = Secs(u32::MAX);
+
+    pub const fn new(secs: u32) -> Secs {
+        Secs(secs)
+    }
+
+    pub const fn get(self) -> u32 {
+        self.0
+    }
+
+    /// `secs`, or [`Secs::MAX`] past it.
+    pub fn saturating_from(secs: u64) -> Secs {
+        Secs(u32::try_from(secs).unwrap_or(u32::MAX))
+    }
+
+    pub fn saturating_add(self, span: Secs) -> Secs {
+        Secs(self.0.saturating_add(span.0))
+    }
+
+    pub fn saturating_sub(self, span: Secs) -> Secs {
+        Secs(self.0.saturating_sub(span.0))
+    }
+
+    /// How far apart two times are.
+    pub fn abs_diff(self, other: Secs) -> Secs {
+        Secs(self.0.abs_diff(other.0))
+    }
+}
+
+/// A later time minus an earlier one (panics below zero in debug builds, like `u32`).
+impl std::ops::Sub for Secs {
+    type Output = Secs;
+
+    fn sub(self, earlier: Secs) -> Secs {
+        Secs(self.0 - earlier.0)
+    }
+}
+
+impl From<Secs> for u64 {
+    fn from(s: Secs) -> u64 {
+        u64::from(s.0)
+    }
+}
+
+impl From<Secs> for i64 {
+    fn from(s: Secs) -> i64 {
+        i64::from(s.0)
+    }
+}
+
+impl std::fmt::Display for Secs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
 
 /// How far ahead of the clock a single record may move it without confirmation.
 /// Kafka 4 brokers refuse records stamped more than an hour ahead of their own clock by
 /// default (`log.message.timestamp.after.max.ms`), so on such a topic a jump this large
 /// only follows a quiet stretch of the partition.
-pub const CLOCK_JUMP: Secs = 3_600;
+pub const CLOCK_JUMP: Secs = Secs(3_600);
 
 /// The clock of one partition after some prefix of its records.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
@@ -100,7 +161,7 @@ impl PartitionClock {
 
     /// The record time reached (0 while there is no clock).
     pub fn now(&self) -> Secs {
-        self.now.unwrap_or(0)
+        self.now.unwrap_or(Secs::ZERO)
     }
 
     pub fn get(&self) -> Option<Secs> {
@@ -173,15 +234,30 @@ pub fn secs_of_millis(ms: i64) -> Option<Secs> {
     if ms < 0 {
         return None;
     }
-    Secs::try_from(ms / 1000).ok()
+    u32::try_from(ms / 1000).ok().map(Secs)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn ticks(clock: &mut PartitionClock, ts: &[Option<i64>]) -> Vec<Secs> {
-        ts.iter().map(|&t| clock.tick(t)).collect()
+    /// [`CLOCK_JUMP`] in plain seconds, for the cases' arithmetic.
+    const JUMP: u32 = CLOCK_JUMP.get();
+
+    fn ticks(clock: &mut PartitionClock, ts: &[Option<i64>]) -> Vec<u32> {
+        ts.iter().map(|&t| clock.tick(t).get()).collect()
+    }
+
+    fn at(secs: u32) -> PartitionClock {
+        PartitionClock::at(Some(Secs::new(secs)))
+    }
+
+    fn secs(s: Option<Secs>) -> Option<u32> {
+        s.map(Secs::get)
+    }
+
+    fn read(time: u32, now: u32, confirms: Option<(i64, u128)>) -> Read {
+        Read { time: Secs::new(time), now: Secs::new(now), confirms }
     }
 
     #[test]
@@ -194,27 +270,27 @@ mod tests {
     #[test]
     fn one_record_stamped_far_ahead_is_judged_at_the_clock_and_moves_nothing() {
         let year_2100 = 4_102_444_800_000;
-        let mut c = PartitionClock::at(Some(1_000_000));
-        assert_eq!(c.tick(Some(year_2100)), 4_102_444_800, "judged at its own time");
-        assert_eq!(c.get(), Some(1_000_000), "the clock did not move");
-        assert_eq!(c.tick(Some(1_000_001_000)), 1_000_001, "ordinary traffic goes on from where it was");
-        assert_eq!(c.pending(), None, "the jump was not confirmed and is forgotten");
+        let mut c = at(1_000_000);
+        assert_eq!(c.tick(Some(year_2100)).get(), 4_102_444_800, "judged at its own time");
+        assert_eq!(secs(c.get()), Some(1_000_000), "the clock did not move");
+        assert_eq!(c.tick(Some(1_000_001_000)).get(), 1_000_001, "ordinary traffic goes on from where it was");
+        assert_eq!(secs(c.pending()), None, "the jump was not confirmed and is forgotten");
     }
 
     #[test]
     fn traffic_resuming_after_a_quiet_stretch_moves_the_clock_from_its_second_record() {
-        let mut c = PartitionClock::at(Some(1_000));
-        let later = i64::from(1_000 + 2 * CLOCK_JUMP) * 1000;
-        assert_eq!(c.tick(Some(later)), 1_000 + 2 * CLOCK_JUMP, "the first record after the gap: its own time");
-        assert_eq!(c.get(), Some(1_000), "but the clock waits for a second record");
-        assert_eq!(c.tick(Some(later + 2_000)), 1_000 + 2 * CLOCK_JUMP, "the second confirms the jump");
-        assert_eq!(c.tick(Some(later + 3_000)), 1_003 + 2 * CLOCK_JUMP);
+        let mut c = at(1_000);
+        let later = i64::from(1_000 + 2 * JUMP) * 1000;
+        assert_eq!(c.tick(Some(later)).get(), 1_000 + 2 * JUMP, "the first record after the gap: its own time");
+        assert_eq!(secs(c.get()), Some(1_000), "but the clock waits for a second record");
+        assert_eq!(c.tick(Some(later + 2_000)).get(), 1_000 + 2 * JUMP, "the second confirms the jump");
+        assert_eq!(c.tick(Some(later + 3_000)).get(), 1_003 + 2 * JUMP);
     }
 
     #[test]
     fn a_jump_within_the_limit_moves_the_clock_at_once() {
-        let mut c = PartitionClock::at(Some(1_000));
-        assert_eq!(c.tick(Some(i64::from(1_000 + CLOCK_JUMP) * 1000)), 1_000 + CLOCK_JUMP);
+        let mut c = at(1_000);
+        assert_eq!(c.tick(Some(i64::from(1_000 + JUMP) * 1000)).get(), 1_000 + JUMP);
     }
 
     // Issue 35, defect 2: the first record of a partition set its clock, so a junk first
@@ -223,44 +299,42 @@ mod tests {
     fn a_first_record_stamped_far_ahead_changes_no_other_records_time() {
         let year_2100 = 4_102_444_800_000;
         let mut c = PartitionClock::default();
-        assert_eq!(c.tick(Some(year_2100)), 4_102_444_800, "judged at its own time");
-        assert_eq!(c.get(), None, "it does not start the clock alone");
-        assert_eq!(c.tick(Some(1_000_000_000)), 1_000_000, "the next record: its own time, not 2100");
-        assert_eq!(c.get(), None, "still no clock: nothing confirmed the first record, nor this one yet");
-        assert_eq!(c.tick(Some(1_000_001_000)), 1_000_001, "the record after confirms it: the clock starts");
-        assert_eq!((c.get(), c.pending()), (Some(1_000_001), None));
-        assert_eq!(c.tick(Some(1_000_002_000)), 1_000_002, "ordinary traffic goes on");
+        assert_eq!(c.tick(Some(year_2100)).get(), 4_102_444_800, "judged at its own time");
+        assert_eq!(secs(c.get()), None, "it does not start the clock alone");
+        assert_eq!(c.tick(Some(1_000_000_000)).get(), 1_000_000, "the next record: its own time, not 2100");
+        assert_eq!(secs(c.get()), None, "still no clock: nothing confirmed the first record, nor this one yet");
+        assert_eq!(c.tick(Some(1_000_001_000)).get(), 1_000_001, "the record after confirms it: the clock starts");
+        assert_eq!((secs(c.get()), secs(c.pending())), (Some(1_000_001), None));
+        assert_eq!(c.tick(Some(1_000_002_000)).get(), 1_000_002, "ordinary traffic goes on");
     }
 
     #[test]
     fn the_clock_starts_at_the_later_of_the_first_two_records_stamped_within_an_hour() {
         // The record times ordinary traffic always had: the first at its own time, the
         // second at the highest timestamp so far.
-        for (first, second, times) in
-            [(10, 9, [10, 10]), (9, 10, [9, 10]), (10, 10 + CLOCK_JUMP, [10, 10 + CLOCK_JUMP])]
-        {
+        for (first, second, times) in [(10, 9, [10, 10]), (9, 10, [9, 10]), (10, 10 + JUMP, [10, 10 + JUMP])] {
             let mut c = PartitionClock::default();
             let got = ticks(&mut c, &[Some(i64::from(first) * 1000), None, Some(i64::from(second) * 1000)]);
             assert_eq!(got, vec![times[0], 0, times[1]], "{first}, {second}");
-            assert_eq!(c.get(), Some(first.max(second)));
+            assert_eq!(secs(c.get()), Some(first.max(second)));
         }
         // More than an hour apart: the second waits for a third.
         let mut c = PartitionClock::default();
-        assert_eq!(ticks(&mut c, &[Some(10_000), Some(i64::from(11 + CLOCK_JUMP) * 1000)]), vec![10, 11 + CLOCK_JUMP]);
-        assert_eq!((c.get(), c.pending()), (None, Some(11 + CLOCK_JUMP)));
+        assert_eq!(ticks(&mut c, &[Some(10_000), Some(i64::from(11 + JUMP) * 1000)]), vec![10, 11 + JUMP]);
+        assert_eq!((secs(c.get()), secs(c.pending())), (None, Some(11 + JUMP)));
     }
 
     #[test]
     fn a_timeline_names_a_partitions_first_click_when_the_next_record_starts_the_clock() {
         let mut line = Timeline::default();
         let first = line.read(0, Some(5_000), Some(42));
-        assert_eq!((first.time, first.now, first.confirms), (5, 0, None), "judged ahead of no clock");
-        assert_eq!(line.read(1, Some(7_000), Some(43)), Read { time: 7, now: 7, confirms: Some((0, 42)) });
+        assert_eq!(first, read(5, 0, None), "judged ahead of no clock");
+        assert_eq!(line.read(1, Some(7_000), Some(43)), read(7, 7, Some((0, 42))));
         // A junk first record that nothing confirms names nothing.
         let mut line = Timeline::default();
         line.read(0, Some(4_102_444_800_000), Some(42));
         assert_eq!(line.read(1, Some(5_000), Some(43)).confirms, None);
-        assert_eq!(line.read(2, Some(6_000), None), Read { time: 6, now: 6, confirms: Some((1, 43)) });
+        assert_eq!(line.read(2, Some(6_000), None), read(6, 6, Some((1, 43))));
     }
 
     // Issue 35, defect 5: a timestamp past what `Secs` holds was clamped to its last
@@ -273,17 +347,17 @@ mod tests {
         for past in [last + 1, last + 1 + 365 * 86_400_000, i64::MAX] {
             assert_eq!(secs_of_millis(past), None, "{past} ms");
         }
-        let mut c = PartitionClock::at(Some(1_000_000));
+        let mut c = at(1_000_000);
         let (y2200, y2300) = (7_258_118_400_000, 10_413_792_000_000);
         assert_eq!(ticks(&mut c, &[Some(y2200), Some(y2300)]), vec![1_000_000, 1_000_000], "judged at the clock");
-        assert_eq!((c.get(), c.pending()), (Some(1_000_000), None), "nothing moved, nothing pending");
-        assert_eq!(c.tick(Some(1_000_001_000)), 1_000_001, "ordinary traffic goes on from where it was");
+        assert_eq!((secs(c.get()), secs(c.pending())), (Some(1_000_000), None), "nothing moved, nothing pending");
+        assert_eq!(c.tick(Some(1_000_001_000)).get(), 1_000_001, "ordinary traffic goes on from where it was");
         // Between a jump and the record that confirms it, such a record is transparent:
         // it is not the next timestamped record.
-        let jump = i64::from(1_000_001 + 2 * CLOCK_JUMP) * 1000;
+        let jump = i64::from(1_000_001 + 2 * JUMP) * 1000;
         let mut line = Timeline::new(c);
         line.read(7, Some(jump), Some(42));
-        assert_eq!(line.read(8, Some(y2200), Some(43)), Read { time: 1_000_001, now: 1_000_001, confirms: None });
+        assert_eq!(line.read(8, Some(y2200), Some(43)), read(1_000_001, 1_000_001, None));
         assert_eq!(line.read(9, Some(jump), None).confirms, Some((7, 42)));
     }
 
@@ -300,14 +374,14 @@ mod tests {
 
     #[test]
     fn a_timeline_names_the_click_whose_jump_the_next_stamped_record_confirms() {
-        let mut line = Timeline::new(PartitionClock::at(Some(1_000)));
-        let jump = i64::from(1_000 + 2 * CLOCK_JUMP) * 1000;
+        let mut line = Timeline::new(at(1_000));
+        let jump = i64::from(1_000 + 2 * JUMP) * 1000;
         assert_eq!(line.read(7, Some(jump), Some(42)).confirms, None);
         assert_eq!(line.read(8, None, Some(43)).confirms, None, "no timestamp: confirms nothing");
         assert_eq!(line.read(9, Some(jump + 1_000), None).confirms, Some((7, 42)));
         // A jump that the next record does not confirm names nothing.
         let far = 4_102_444_800_000;
-        let mut line = Timeline::new(PartitionClock::at(Some(1_000)));
+        let mut line = Timeline::new(at(1_000));
         line.read(1, Some(far), Some(42));
         assert_eq!(line.read(2, Some(1_001_000), Some(43)).confirms, None);
     }

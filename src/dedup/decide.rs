@@ -158,7 +158,7 @@ impl Chain {
     /// partition has no clock, which the sweeper cannot see coming: it stays until then
     /// (`claim.lua`'s `sweep` keeps it alike).
     pub fn kept_by_sweep(&self, cutoff: Secs, frontier_clock: Option<Secs>) -> bool {
-        self.reach() >= cutoff || (self.ahead == Some(0) && frontier_clock.is_none_or(|c| c == 0))
+        self.reach() >= cutoff || (self.ahead == Some(Secs::ZERO) && frontier_clock.is_none_or(|c| c == Secs::ZERO))
     }
 
     /// The verdict of its first sighting, read again.
@@ -477,15 +477,15 @@ pub struct ClaimBatch {
 mod tests {
     use super::*;
 
-    const W: Secs = 60;
+    const W: Secs = Secs::new(60);
 
-    fn at(partition: i32, offset: i64, clock: Secs) -> Sighting {
-        Sighting::at(partition, offset, clock)
+    fn at(partition: i32, offset: i64, clock: u32) -> Sighting {
+        Sighting::at(partition, offset, Secs::new(clock))
     }
 
-    fn chain(partition: i32, first: i64, counted: bool, last_seen: Secs) -> Chain {
+    fn chain(partition: i32, first: i64, counted: bool, last_seen: u32) -> Chain {
         let start = if counted { Start::Counted } else { Start::Cross };
-        Chain { partition, first, start, counted, last_seen, ahead: None }
+        Chain { partition, first, start, counted, last_seen: Secs::new(last_seen), ahead: None }
     }
 
     fn live() -> ClaimMode {
@@ -557,14 +557,14 @@ mod tests {
         assert_eq!(counted_offsets(&log, W), vec![0, 1, 5, 6]);
         // A copy on another partition is judged within the window of this one's.
         let mut e = Vec::new();
-        let mut line = Timeline::new(crate::dedup::PartitionClock::at(Some(1_000_000)));
+        let mut line = Timeline::new(crate::dedup::PartitionClock::at(Some(Secs::new(1_000_000))));
         for (o, ts) in [(0, y2200), (1, y2300)] {
             line.read(o, ts, None);
         }
         let read = line.read(2, Some(t + 1_000), x);
         let s = Sighting { partition: 0, offset: 2, clock: read.time, now: read.now };
         assert_eq!(decide_shared(&mut e, s, None, live(), false, true, W), Verdict::First);
-        assert_eq!(e[0].reach(), 1_000_001, "swept a window after the clock passes it");
+        assert_eq!(e[0].reach(), Secs::new(1_000_001), "swept a window after the clock passes it");
         assert_eq!(decide_shared(&mut e, at(1, 0, 1_000_002), None, live(), false, true, W), Verdict::CrossDuplicate);
     }
 
@@ -608,16 +608,16 @@ mod tests {
     fn a_forgotten_partition_starts_from_nothing_and_the_others_keep_theirs() {
         let mut scope = PrivateScope::new(W);
         assert!(scope.is_empty());
-        assert_eq!(scope.sight(0, 7, 100, None), Verdict::First);
-        assert_eq!(scope.sight(1, 7, 100, None), Verdict::First);
+        assert_eq!(scope.sight(0, 7, Secs::new(100), None), Verdict::First);
+        assert_eq!(scope.sight(1, 7, Secs::new(100), None), Verdict::First);
         assert!(!scope.is_empty());
         assert_eq!(scope.len(), 2);
         scope.forget(0);
         assert_eq!(scope.len(), 1);
         // Read again from an earlier offset: the click is first again in partition 0,
         // and partition 1 still holds its sighting.
-        assert_eq!(scope.sight(0, 7, 90, None), Verdict::First);
-        assert_eq!(scope.sight(1, 7, 101, None), Verdict::Duplicate);
+        assert_eq!(scope.sight(0, 7, Secs::new(90), None), Verdict::First);
+        assert_eq!(scope.sight(1, 7, Secs::new(101), None), Verdict::Duplicate);
     }
 
     #[test]
@@ -734,19 +734,20 @@ mod tests {
     #[test]
     fn a_private_scope_follows_pins_and_forgets_what_is_out_of_the_window() {
         let mut s = PrivateScope::new(W);
-        assert_eq!(s.sight(0, 1, 0, None), Verdict::First);
-        assert_eq!(s.sight(0, 1, 30, None), Verdict::Duplicate);
-        assert_eq!(s.sight(1, 1, 30, None), Verdict::First, "partitions are separate without a pin");
-        assert_eq!(s.sight(2, 1, 30, Some(Pin::CrossDuplicate)), Verdict::CrossDuplicate);
-        assert_eq!(s.sight(2, 1, 40, None), Verdict::Duplicate, "a pinned sighting is still a sighting");
-        assert_eq!(s.sight(0, 2, 200, None), Verdict::First);
+        assert_eq!(s.sight(0, 1, Secs::new(0), None), Verdict::First);
+        assert_eq!(s.sight(0, 1, Secs::new(30), None), Verdict::Duplicate);
+        assert_eq!(s.sight(1, 1, Secs::new(30), None), Verdict::First, "partitions are separate without a pin");
+        assert_eq!(s.sight(2, 1, Secs::new(30), Some(Pin::CrossDuplicate)), Verdict::CrossDuplicate);
+        assert_eq!(s.sight(2, 1, Secs::new(40), None), Verdict::Duplicate, "a pinned sighting is still a sighting");
+        assert_eq!(s.sight(0, 2, Secs::new(200), None), Verdict::First);
         assert_eq!(s.len(), 3, "partition 0 dropped click 1, last seen 170 s ago");
     }
 
     #[test]
     fn a_sighting_judged_ahead_is_an_item_of_its_own_that_hides_nothing_and_is_forgotten_a_window_later() {
         let far = 4_102_444_800;
-        let ahead = |offset, clock, now| Sighting { partition: 0, offset, clock, now };
+        let ahead =
+            |offset, clock, now| Sighting { partition: 0, offset, clock: Secs::new(clock), now: Secs::new(now) };
         let mut e = vec![chain(0, 10, true, 100)];
         // Judged at 2100: nothing within the window before it, so it counts.
         assert_eq!(decide_shared(&mut e, ahead(11, far, 101), upto(10), live(), false, true, W), Verdict::First);
@@ -771,13 +772,25 @@ mod tests {
 
     #[test]
     fn a_first_click_judged_ahead_of_no_clock_is_kept_by_the_sweeper_until_the_partition_has_one() {
-        let first = Chain { ahead: Some(0), ..chain(0, 0, true, 1_000) };
-        assert!(first.kept_by_sweep(500, Some(0)), "no clock yet: the next record may confirm it");
-        assert!(first.kept_by_sweep(500, None));
-        assert!(!first.kept_by_sweep(500, Some(1_001)), "the clock started without it: it is dead");
-        let confirmed = Chain { ahead: Some(1_001), ..first };
-        assert!(confirmed.kept_by_sweep(1_001, Some(1_001)) && !confirmed.kept_by_sweep(1_002, Some(0)));
-        assert!(!chain(0, 0, true, 1_000).kept_by_sweep(1_001, Some(0)), "a chain goes by its reach");
+        let first = Chain { ahead: Some(Secs::new(0)), ..chain(0, 0, true, 1_000) };
+        assert!(
+            first.kept_by_sweep(Secs::new(500), Some(Secs::new(0))),
+            "no clock yet: the next record may confirm it"
+        );
+        assert!(first.kept_by_sweep(Secs::new(500), None));
+        assert!(
+            !first.kept_by_sweep(Secs::new(500), Some(Secs::new(1_001))),
+            "the clock started without it: it is dead"
+        );
+        let confirmed = Chain { ahead: Some(Secs::new(1_001)), ..first };
+        assert!(
+            confirmed.kept_by_sweep(Secs::new(1_001), Some(Secs::new(1_001)))
+                && !confirmed.kept_by_sweep(Secs::new(1_002), Some(Secs::new(0)))
+        );
+        assert!(
+            !chain(0, 0, true, 1_000).kept_by_sweep(Secs::new(1_001), Some(Secs::new(0))),
+            "a chain goes by its reach"
+        );
     }
 
     // Issue 35, defect 4: the sweeper keeps a chain that continues a sighting judged ahead
@@ -788,11 +801,11 @@ mod tests {
     #[test]
     fn a_chain_that_continues_a_sighting_judged_ahead_is_swept_by_its_latest_sighting() {
         let t = 10_000;
-        let first = Sighting { partition: 0, offset: 0, clock: t, now: 0 };
+        let first = Sighting { partition: 0, offset: 0, clock: Secs::new(t), now: Secs::new(0) };
         let mut e = Vec::new();
         assert_eq!(decide_shared(&mut e, first, None, live(), false, true, W), Verdict::First);
         let confirm = ClaimMode { confirm: true, ..ClaimMode::default() };
-        decide_shared(&mut e, Sighting { now: t, ..first }, upto(0), confirm, false, true, W);
+        decide_shared(&mut e, Sighting { now: Secs::new(t), ..first }, upto(0), confirm, false, true, W);
         // Retries every 15 s (W = 60) for three minutes: the first continues the sighting
         // judged ahead in a chain of its own, the others extend that chain.
         for i in 0..12 {
@@ -800,13 +813,16 @@ mod tests {
             assert_eq!(decide_shared(&mut e, retry, upto(i64::from(i)), live(), false, true, W), Verdict::Duplicate);
         }
         let chain = e.iter().find(|c| c.ahead.is_none()).copied().expect("a chain");
-        assert_eq!((chain.start, chain.first, chain.last_seen), (Start::Duplicate, 1, t + 170));
-        assert_eq!(chain.reach(), t + 170, "its latest sighting, not its first (t + 5)");
-        assert!(chain.kept_by_sweep(t + 6, Some(t + 170)) && chain.kept_by_sweep(t + 170, Some(t + 170)));
-        assert!(!chain.kept_by_sweep(t + 171, Some(t + 170)));
+        assert_eq!((chain.start, chain.first, chain.last_seen), (Start::Duplicate, 1, Secs::new(t + 170)));
+        assert_eq!(chain.reach(), Secs::new(t + 170), "its latest sighting, not its first (t + 5)");
+        assert!(
+            chain.kept_by_sweep(Secs::new(t + 6), Some(Secs::new(t + 170)))
+                && chain.kept_by_sweep(Secs::new(t + 170), Some(Secs::new(t + 170)))
+        );
+        assert!(!chain.kept_by_sweep(Secs::new(t + 171), Some(Secs::new(t + 170))));
         // So the retry 15 s after the last is a duplicate after any sweep a live member's
         // sweeper makes meanwhile (cutoff at most its time less W + max_record_lag).
-        e.retain(|c| c.kept_by_sweep(t + 185 - W, Some(t + 170)));
+        e.retain(|c| c.kept_by_sweep(Secs::new(t + 185) - W, Some(Secs::new(t + 170))));
         assert_eq!(decide_shared(&mut e, at(0, 13, t + 185), upto(12), live(), false, true, W), Verdict::Duplicate);
     }
 
@@ -815,7 +831,7 @@ mod tests {
         let t = 10_000;
         let mut e = Vec::new();
         // The first record after a quiet stretch, judged at its own time t (clock 100).
-        let first = Sighting { partition: 0, offset: 5, clock: t, now: 100 };
+        let first = Sighting { partition: 0, offset: 5, clock: Secs::new(t), now: Secs::new(100) };
         assert_eq!(decide_shared(&mut e, first, None, live(), false, true, W), Verdict::First);
         // Unconfirmed, a retry once the clock is at t would not find it within the window
         // of its reach (100)...
@@ -823,12 +839,12 @@ mod tests {
         assert_eq!(decide_shared(&mut e.clone(), retry, upto(6), live(), false, true, W), Verdict::First);
         // ...but the next record confirmed the jump: it reaches from t on.
         let confirm = ClaimMode { confirm: true, ..ClaimMode::default() };
-        decide_shared(&mut e, Sighting { now: t, ..first }, upto(6), confirm, false, true, W);
-        assert_eq!(e[0].ahead, Some(t));
+        decide_shared(&mut e, Sighting { now: Secs::new(t), ..first }, upto(6), confirm, false, true, W);
+        assert_eq!(e[0].ahead, Some(Secs::new(t)));
         assert_eq!(decide_shared(&mut e, retry, upto(6), live(), false, true, W), Verdict::Duplicate);
         let mut scope = PrivateScope::new(W);
         assert_eq!(scope.sight_at(1, first, None), Verdict::First);
-        scope.confirm(0, 1, 5, t);
+        scope.confirm(0, 1, 5, Secs::new(t));
         assert_eq!(scope.sight_at(1, retry, None), Verdict::Duplicate, "a private reader decides alike");
     }
 }

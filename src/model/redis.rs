@@ -330,7 +330,7 @@ impl Redis {
             // claim that waited.
             let (o, clock) = match waiting.get(&p) {
                 Some(&w) if mark >= w => {
-                    let kept = space.frontier.get(&p).map_or(0, |&(_, clock, _)| clock);
+                    let kept = space.frontier.get(&p).map_or(Secs::ZERO, |&(_, clock, _)| clock);
                     (w - 1, touched.get(&p).copied().unwrap_or(kept))
                 }
                 _ => (mark, mark_clock),
@@ -375,7 +375,7 @@ impl Redis {
                     }
                 }
                 _ => {
-                    space.frontier.insert(partition, (lookback, 0, boundary));
+                    space.frontier.insert(partition, (lookback, Secs::new(0), boundary));
                     self.touched(g);
                 }
             }

@@ -97,7 +97,7 @@ pub struct World {
     pub clocks: BTreeMap<(i32, i64), PartitionClock>,
     pub committed: Vec<Option<i64>>,
     /// The wall clock (s).
-    pub wall: Secs,
+    pub wall: u32,
     /// The cross-partition clicks the defect `World::resets_to` names meets.
     pub exposed: BTreeSet<u32>,
     /// Per partition, the offsets group resets moved past that no member read since.
@@ -202,9 +202,9 @@ impl World {
             if b >= self.len(q) {
                 continue;
             }
-            match self.marks(q, b, 0, None).near.1.get() {
+            match self.marks(q, b, Secs::ZERO, None).near.1.get() {
                 Some(c) => need = Some(need.map_or(c, |n| n.min(c))),
-                None => return Some(0),
+                None => return Some(Secs::ZERO),
             }
         }
         need
@@ -276,7 +276,7 @@ impl World {
 
     fn record_clock(&mut self, cp: Checkpoint) {
         let (clock, pending) = self.truth[cp.partition as usize][cp.boundary as usize];
-        if (cp.clock.get(), cp.clock.pending()) != (clock, pending) {
+        if (cp.clock.get().map(Secs::get), cp.clock.pending().map(Secs::get)) != (clock, pending) {
             self.violations.push(format!(
                 "recorded clock of partition {} at {}: {:?}, but the log's clock there is {clock:?} (pending {pending:?})",
                 cp.partition, cp.boundary, cp.clock
@@ -291,7 +291,7 @@ impl World {
 
     fn check_time(&mut self, p: i32, o: i64, clock: Secs) {
         let truth = self.log.times[p as usize][o as usize];
-        if clock != truth {
+        if clock != Secs::new(truth) {
             self.violations
                 .push(format!("offset {o} of partition {p} read at record time {clock}, the log's is {truth}"));
         }
@@ -793,7 +793,7 @@ impl Member {
             .iter()
             .map(|(&p, r)| {
                 let clock = r.decided_clock;
-                let lagging = w.wall.saturating_sub(clock) > LAG / 2 && r.decided + 1 < w.len(p);
+                let lagging = w.wall.saturating_sub(clock.get()) > LAG / 2 && r.decided + 1 < w.len(p);
                 (p, lagging.then_some(clock))
             })
             .collect();

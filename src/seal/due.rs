@@ -10,6 +10,7 @@ use rdkafka::error::KafkaError;
 
 use super::plan::PartitionPosition;
 use crate::config::KafkaSettings;
+use crate::dedup::Secs;
 use crate::sink::{Sink, SinkError};
 use crate::source;
 
@@ -52,7 +53,9 @@ pub async fn positions(
     let mut out = Vec::new();
     for (partition, (committed, log_start, log_end)) in offsets {
         let clock = match committed {
-            Some(c) => sink.clock_at_or_below(topic, partition, 0, c).await?.and_then(|(_, clock)| clock.get()),
+            Some(c) => {
+                sink.clock_at_or_below(topic, partition, 0, c).await?.and_then(|(_, clock)| clock.get()).map(Secs::get)
+            }
             None => None,
         };
         out.push(PartitionPosition { partition, committed, log_start, log_end, clock });

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use super::{Sink, SinkError, TABLE, TOUCHED};
 use crate::aggregate::BucketKey;
 use crate::click::Minute;
-use crate::dedup::{PartitionClock, Pin};
+use crate::dedup::{PartitionClock, Pin, Secs};
 use crate::sealing::Grain;
 
 #[derive(Row, Deserialize)]
@@ -26,8 +26,8 @@ struct ClockIn {
 impl ClockIn {
     fn checkpoint(self) -> (i64, PartitionClock) {
         let clock = PartitionClock::from_parts(
-            (self.has_clock == 1).then_some(self.clock),
-            (self.has_pending == 1).then_some(self.pending),
+            (self.has_clock == 1).then_some(Secs::new(self.clock)),
+            (self.has_pending == 1).then_some(Secs::new(self.pending)),
         );
         (self.boundary as i64, clock)
     }

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use super::{stored_version, Sink, SinkError, Writer, TABLE, TOUCHED};
 use crate::aggregate::{BatchRow, PinRow};
 use crate::click::Minute;
-use crate::dedup::Checkpoint;
+use crate::dedup::{Checkpoint, Secs};
 
 #[derive(Row, Serialize)]
 struct MinuteOut<'a> {
@@ -71,9 +71,9 @@ impl<'a> ClockRow<'a> {
             topic,
             partition: c.partition as u32,
             boundary: c.boundary as u64,
-            clock: c.clock.get().unwrap_or(0),
+            clock: c.clock.get().map_or(0, Secs::get),
             has_clock: u8::from(c.clock.get().is_some()),
-            pending: c.clock.pending().unwrap_or(0),
+            pending: c.clock.pending().map_or(0, Secs::get),
             has_pending: u8::from(c.clock.pending().is_some()),
         }
     }

@@ -21,7 +21,6 @@ use serde::Serialize;
 
 use super::window::{History, Reading, FRESHNESS_WINDOW_SECONDS, RATE_WINDOW_SECONDS};
 use crate::click::Minute;
-use crate::dedup::Secs;
 use crate::position::BatchOffsets;
 use crate::position::{Scope, Start};
 use crate::telemetry::ClicksByTenth;
@@ -156,7 +155,7 @@ impl StatusBoard {
         }
         let mut minutes = self.minutes.lock().expect("not poisoned");
         for (&tenth, &n) in clicks {
-            let secs = Secs::try_from(tenth / 10).unwrap_or(Secs::MAX);
+            let secs = u32::try_from(tenth / 10).unwrap_or(u32::MAX);
             *minutes.entry(secs - secs % 60).or_default() += n;
         }
         // Only the last hour is shown; a producer clock far ahead must not grow the map.

@@ -88,7 +88,7 @@ async fn the_redis_function_decides_as_the_rust_model_does_on_a_redis_cluster() 
         &env.topic,
         helpers::cache_model::SHARDS,
         16,
-        window,
+        clickagg::dedup::Secs::new(window),
         s.redis.timeout,
     )
     .with_wait(s.redis.wait());

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::time::Duration;
 
 use clickagg::cache::{Claimer, DedupError, SharedCache};
-use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprint, ReaderClaim, ReaderMark, Sighting, Verdict};
+use clickagg::dedup::{Claim, ClaimBatch, ClaimMode, Fingerprint, ReaderClaim, ReaderMark, Secs, Sighting, Verdict};
 use clickagg::health::Health;
 
 use crate::helpers::cache_model::{compare, compare_all, Compared, SHARDS, WINDOW};
@@ -21,7 +21,7 @@ fn cache_in_groups(env: &TestEnv, groups: u32) -> SharedCache {
         &env.topic,
         SHARDS,
         groups,
-        window,
+        Secs::new(window),
         s.redis.timeout,
     )
 }
@@ -67,18 +67,25 @@ async fn a_click_retried_past_the_window_and_lag_stays_a_duplicate_across_sweeps
     let live = ClaimMode::default();
     let t0 = 1_000_000;
     // The partition's first record, judged ahead of no clock; the next starts the clock.
-    let first =
-        Claim { fingerprint: click, sighting: Sighting { partition: 0, offset: 0, clock: t0, now: 0 }, mode: live };
+    let first = Claim {
+        fingerprint: click,
+        sighting: Sighting { partition: 0, offset: 0, clock: Secs::new(t0), now: Secs::new(0) },
+        mode: live,
+    };
     assert_eq!(cache.claim(&[first]).await.unwrap(), vec![Verdict::First]);
-    let confirm =
-        Claim { sighting: Sighting { now: t0, ..first.sighting }, mode: ClaimMode { confirm: true, ..live }, ..first };
-    let next = Claim { fingerprint: other, sighting: Sighting::at(0, 1, t0), mode: live };
+    let confirm = Claim {
+        sighting: Sighting { now: Secs::new(t0), ..first.sighting },
+        mode: ClaimMode { confirm: true, ..live },
+        ..first
+    };
+    let next = Claim { fingerprint: other, sighting: Sighting::at(0, 1, Secs::new(t0)), mode: live };
     assert_eq!(cache.claim(&[confirm, next]).await.unwrap()[1], Verdict::First);
     // Retries every 15 s (the window is 20 s) for three minutes, the member live: its
     // sweeper walks a second after each, at the wall clock's cutoff.
     for i in 0..12u32 {
         let clock = t0 + 5 + 15 * i;
-        let retry = Claim { fingerprint: click, sighting: Sighting::at(0, 2 + i64::from(i), clock), mode: live };
+        let retry =
+            Claim { fingerprint: click, sighting: Sighting::at(0, 2 + i64::from(i), Secs::new(clock)), mode: live };
         let verdict = cache.claim(&[retry]).await.unwrap();
         assert_eq!(verdict, vec![Verdict::Duplicate], "the retry at {} s", clock - t0);
         let wall = i64::from(clock) + 1;
@@ -130,12 +137,12 @@ async fn claims_in_flight_across_a_redis_restarted_empty_are_all_answered_the_ol
         claims: (from..from + 50)
             .map(|o| Claim {
                 fingerprint: Fingerprint(o as u128 * 7_919 + 1),
-                sighting: Sighting::at(0, o, 1_000),
+                sighting: Sighting::at(0, o, Secs::new(1_000)),
                 mode: ClaimMode::default(),
             })
             .map(|claim| ReaderClaim { claim, generation: 0 })
             .collect(),
-        marks: vec![ReaderMark { last: Sighting::at(0, from + 49, 1_000), generation: 0 }],
+        marks: vec![ReaderMark { last: Sighting::at(0, from + 49, Secs::new(1_000)), generation: 0 }],
     };
     let (claimer, mut verdicts) = Claimer::start(cache.handle(), Duration::from_millis(300), 3, Health::new());
     claimer.claim(batch(0));

@@ -120,7 +120,7 @@ impl Model {
                 c.mode,
                 cached,
                 true,
-                WINDOW,
+                Secs::new(WINDOW),
             );
             // Only a fresh cross-partition decision is kept in the sorted set until
             // its pin is durable; an uncounted duplicate is told by its chain.
@@ -154,7 +154,9 @@ impl Model {
                     }
                 }
                 _ => {
-                    group.frontier.insert(partition, Front { claimed: lookback - 1, clock: 0, exact_from: boundary });
+                    group
+                        .frontier
+                        .insert(partition, Front { claimed: lookback - 1, clock: Secs::new(0), exact_from: boundary });
                 }
             }
         }
@@ -212,9 +214,9 @@ impl Model {
         };
         match self.sighted.get(&(fp, c.partition, c.first)) {
             Some(&first) if dup(&c) && first < c.last_seen && rng.random_bool(0.7) => {
-                Some(rng.random_range(first + 1..=c.last_seen))
+                Some(Secs::new(rng.random_range(first.get() + 1..=c.last_seen.get())))
             }
-            _ => Some(c.reach() + rng.random_range(0..2)),
+            _ => Some(Secs::new(c.reach().get() + rng.random_range(0..2))),
         }
     }
 
@@ -261,8 +263,8 @@ pub fn decode(v: &[u8]) -> Vec<Chain> {
                 first: u48(&item[3..9]),
                 start,
                 counted,
-                last_seen: u32_at(&item[9..13]),
-                ahead: (flags & 4 != 0).then(|| u32_at(&item[13..17])),
+                last_seen: Secs::new(u32_at(&item[9..13])),
+                ahead: (flags & 4 != 0).then(|| Secs::new(u32_at(&item[13..17]))),
             });
             j += 17;
         } else {
@@ -272,7 +274,7 @@ pub fn decode(v: &[u8]) -> Vec<Chain> {
                 first: u48(&item[2..8]),
                 start: if counted { Start::Counted } else { Start::Cross },
                 counted,
-                last_seen: u32_at(&item[8..12]),
+                last_seen: Secs::new(u32_at(&item[8..12])),
                 ahead: None,
             });
             j += 12;
@@ -375,8 +377,8 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
                 };
                 stamp.insert(p, t);
                 let fingerprint = if rng.random_bool(0.5) { hot } else { fingerprint };
-                unconfirmed.insert(p, (*o, fingerprint, t));
-                let sighting = Sighting { partition: p, offset: *o, clock: t, now: 0 };
+                unconfirmed.insert(p, (*o, fingerprint, Secs::new(t)));
+                let sighting = Sighting { partition: p, offset: *o, clock: Secs::new(t), now: Secs::new(0) };
                 claims.push(Claim { fingerprint, sighting, mode });
                 *o += 1;
                 continue;
@@ -399,10 +401,10 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
                 };
                 match if started { 2 } else { rng.random_range(0..if jumpy { 3 } else { 2 }) } {
                     0 => {}
-                    1 => claims.push(confirm(*now + rng.random_range(0..WINDOW * 2))),
+                    1 => claims.push(confirm(Secs::new(*now + rng.random_range(0..WINDOW * 2)))),
                     _ => {
-                        *now = (*now).max(judged);
-                        claims.push(confirm(*now));
+                        *now = (*now).max(judged.get());
+                        claims.push(confirm(Secs::new(*now)));
                     }
                 }
             }
@@ -410,9 +412,9 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
             let judged = if ahead { *now + 3_601 + rng.random_range(0..3) * 7 } else { *now };
             let fingerprint = if ahead && jumpy && rng.random_bool(0.8) { hot } else { fingerprint };
             if ahead {
-                unconfirmed.insert(p, (*o, fingerprint, judged));
+                unconfirmed.insert(p, (*o, fingerprint, Secs::new(judged)));
             }
-            let sighting = Sighting { partition: p, offset: *o, clock: judged, now: *now };
+            let sighting = Sighting { partition: p, offset: *o, clock: Secs::new(judged), now: Secs::new(*now) };
             claims.push(Claim { fingerprint, sighting, mode });
             *o += 1;
         }
@@ -442,11 +444,11 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
         // that continues a sighting judged ahead.
         for _ in 0..rng.random_range(0..4) {
             let cutoff = match rng.random_range(0..10) {
-                0 => clock.values().copied().max().unwrap_or(0) + 4 * WINDOW,
-                1..5 => model.telling_cutoff(&mut rng).unwrap_or(0),
+                0 => Secs::new(clock.values().copied().max().unwrap_or(0) + 4 * WINDOW),
+                1..5 => model.telling_cutoff(&mut rng).unwrap_or(Secs::new(0)),
                 _ => {
                     let q = live[rng.random_range(0..live.len())];
-                    clock.get(&q).copied().unwrap_or(0).saturating_sub(rng.random_range(0..4 * WINDOW))
+                    Secs::new(clock.get(&q).copied().unwrap_or(0).saturating_sub(rng.random_range(0..4 * WINDOW)))
                 }
             };
             let shards = if rng.random_bool(0.7) {
