@@ -191,9 +191,11 @@ async fn a_clickhouse_replica_killed_mid_run_holds_the_commits_until_it_is_back_
 
 /// Runs `sql` on one ClickHouse node over HTTP.
 async fn on_node(url: &str, sql: &str) {
-    let mut s = clickagg::config::ClickHouseSettings::default();
-    s.url = clickagg::config::SecretUrl::new(url.to_string());
-    s.database = "system".into();
+    let s = clickagg::config::ClickHouseSettings {
+        url: clickagg::config::SecretUrl::new(url.to_string()),
+        database: "system".into(),
+        ..Default::default()
+    };
     Sink::new(&s).client().query(sql).execute().await.unwrap_or_else(|e| panic!("{sql} on {url}: {e}"));
 }
 
