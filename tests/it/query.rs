@@ -188,7 +188,8 @@ const SEALED: [(&str, &str); 2] = [("ad_clicks_sealed_hour", "hour"), ("ad_click
 fn sealed_parts(env: &TestEnv, case: &Case) -> (usize, usize) {
     let sql = run_query(env, case, "table", &["--print-sql"]);
     let pairs = |name: &str| {
-        let at = sql.find(&format!("FROM {name} FINAL")).unwrap_or_else(|| panic!("{name} in {sql}"));
+        // A part that reads nothing is left out of the SQL (`sink::billing::without_parts`).
+        let Some(at) = sql.find(&format!("FROM {name} FINAL")) else { return 0 };
         let list = &sql[at..];
         let list = &list[list.find("arrayJoin(CAST([").unwrap() + 16..];
         list[..list.find(']').unwrap()].matches("toDateTime(").count()
