@@ -23,6 +23,9 @@ const FLUSH_WAIT: Duration = Duration::from_secs(15);
 /// The group's members by slot (0–2 the group, 3 the member that joins and leaves).
 pub struct Fleet {
     pub launcher: Launcher,
+    /// Before each member's label (`m0-1`, `lost-m0-1`): the groups of the log-start
+    /// cases have their own logs and PID files.
+    name: String,
     /// The `http.addr` port of each slot, so members side by side never clash.
     pub http_ports: Vec<u16>,
     pub live: BTreeMap<usize, Process>,
@@ -37,10 +40,15 @@ pub type SharedFleet = Arc<tokio::sync::Mutex<Fleet>>;
 
 impl Fleet {
     pub fn new(launcher: Launcher) -> Fleet {
-        let mut taken = Vec::new();
+        Fleet::named(launcher, "")
+    }
+
+    /// A fleet whose members' labels start with `name`.
+    pub fn named(launcher: Launcher, name: &str) -> Fleet {
         Fleet {
             launcher,
-            http_ports: (0..4).map(|_| free_port(&mut taken)).collect(),
+            name: name.to_string(),
+            http_ports: (0..4).map(|_| free_port()).collect(),
             live: BTreeMap::new(),
             incarnations: BTreeMap::new(),
             peak_rss_kib: 0,
@@ -52,7 +60,7 @@ impl Fleet {
     pub fn start(&mut self, slot: usize, log: &Log) -> Result<()> {
         let n = self.incarnations.entry(slot).or_insert(0);
         *n += 1;
-        let label = format!("m{slot}-{n}");
+        let label = format!("{}m{slot}-{n}", self.name);
         let addr = ("CLICKAGG__HTTP__ADDR".to_string(), format!("127.0.0.1:{}", self.http_ports[slot]));
         let p = self.launcher.spawn(&label, &["run"], &[addr])?;
         log.note(format!("started member {label} (pid {})", p.pid));
@@ -84,8 +92,11 @@ impl Fleet {
 }
 
 /// A free port below the kernel's ephemeral range (32768+), which an outgoing
-/// connection could take between this check and the member's bind.
-fn free_port(taken: &mut Vec<u16>) -> u16 {
+/// connection could take between this check and the member's bind; never one handed
+/// out before in this run (fleets side by side, their members not started yet).
+fn free_port() -> u16 {
+    static TAKEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    let mut taken = TAKEN.lock().expect("not poisoned");
     loop {
         let port = rand::rng().random_range(20_000..32_000);
         if !taken.contains(&port) && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
@@ -516,4 +527,38 @@ impl Chaos {
         out.extend(self.replay_notes.iter().cloned());
         out
     }
+}
+
+/// Deletes the keys under `prefix` that `which` picks, as `redis-cli --scan --pattern
+/// 'PREFIX*' | xargs redis-cli unlink` does, while Redis runs on (what a clean-up of
+/// its keys or a failover to an empty replica does to running members): how many
+/// there were.
+pub async fn delete_cache_keys(redis_url: &str, prefix: &str, which: impl Fn(&str) -> bool) -> Result<usize> {
+    if prefix.is_empty() || prefix.contains(['*', '?', '[', ']', '\\']) {
+        bail!("{prefix:?} is not a literal key prefix");
+    }
+    let config = redis::AsyncConnectionConfig::new().set_response_timeout(Some(Duration::from_secs(30)));
+    let mut conn = redis::Client::open(redis_url)?.get_multiplexed_async_connection_with_config(&config).await?;
+    let mut keys: Vec<String> = Vec::new();
+    let mut cursor = 0u64;
+    loop {
+        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}*"))
+            .arg("COUNT")
+            .arg(1_000)
+            .query_async(&mut conn)
+            .await
+            .context("SCAN")?;
+        keys.extend(batch.into_iter().filter(|k| which(k)));
+        if next == 0 {
+            break;
+        }
+        cursor = next;
+    }
+    for chunk in keys.chunks(500) {
+        let () = redis::cmd("UNLINK").arg(chunk).query_async(&mut conn).await.context("UNLINK")?;
+    }
+    Ok(keys.len())
 }

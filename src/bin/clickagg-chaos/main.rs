@@ -28,6 +28,7 @@ mod inject;
 mod progress;
 mod report;
 mod schedule;
+mod young;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -115,6 +116,11 @@ struct Preset {
     calm: Duration,
     /// Also the gentle Redis restart (data kept), besides its kill and its loss.
     redis_restart: bool,
+    /// The two cases at a topic's log start (`young`): records and rate of each young
+    /// topic, and how long its counts may take to become exact after its last record.
+    young_records: u64,
+    young_rate: u64,
+    young_settle_timeout: Duration,
 }
 
 const FULL: Preset = Preset {
@@ -127,6 +133,9 @@ const FULL: Preset = Preset {
     settle_timeout: Duration::from_secs(300),
     calm: Duration::from_secs(20),
     redis_restart: true,
+    young_records: 16_000,
+    young_rate: 800,
+    young_settle_timeout: Duration::from_secs(120),
 };
 
 /// Every hard fault of the full run, in about the time the CI run took before the
@@ -142,6 +151,9 @@ const REDUCED: Preset = Preset {
     settle_timeout: Duration::from_secs(180),
     calm: Duration::from_secs(12),
     redis_restart: false,
+    young_records: 6_000,
+    young_rate: 500,
+    young_settle_timeout: Duration::from_secs(90),
 };
 
 /// Copies of clicks on other partitions (a producer that does not key by click ID),
@@ -181,6 +193,9 @@ impl Config {
             settle_timeout: cli.settle_timeout.map_or(p.settle_timeout, Into::into),
             calm: p.calm,
             redis_restart: p.redis_restart,
+            young_records: p.young_records,
+            young_rate: p.young_rate,
+            young_settle_timeout: p.young_settle_timeout,
         };
         let c = Config { cli, run, settings };
         ensure!(
@@ -338,15 +353,31 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     ));
     let sink = Sink::new(&s.clickhouse);
     sink.migrate().await.context("migrating ClickHouse")?;
-    clickagg::source::ensure_topic(&s.kafka, &s.kafka.topic, c.run.partitions).await?;
+    let launcher = Launcher { bin, env: c.child_env(), logs: work.join("logs"), pids };
 
+    // First the two cases at a topic's log start, each on a young topic of its own.
+    let young = young::Setup {
+        settings: s.clone(),
+        launcher: launcher.clone(),
+        redis_url: c.cli.redis_url.clone(),
+        sink: sink.clone(),
+        log: log.clone(),
+        seed: c.cli.seed,
+        sizes: young::Sizes {
+            records: c.run.young_records,
+            rate: c.run.young_rate,
+            partitions: c.run.partitions,
+            settle_timeout: c.run.young_settle_timeout,
+        },
+    };
+    let log_start = young::run_both(&young).await.context("the cases at a topic's log start")?;
+    for o in &log_start {
+        log.note(format!("{}: {}", o.case.check(), o.summary()));
+    }
+
+    clickagg::source::ensure_topic(&s.kafka, &s.kafka.topic, c.run.partitions).await?;
     // The group, the monitor of its members and the sampler of its progress.
-    let fleet: SharedFleet = Arc::new(tokio::sync::Mutex::new(Fleet::new(Launcher {
-        bin,
-        env: c.child_env(),
-        logs: work.join("logs"),
-        pids,
-    })));
+    let fleet: SharedFleet = Arc::new(tokio::sync::Mutex::new(Fleet::new(launcher)));
     for slot in 0..3 {
         fleet.lock().await.start(slot, &log)?;
     }
@@ -413,7 +444,8 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
     log.note(format!("production done: {}", truth.summary()));
 
     // Every fault is over: the counts must become exact, and stay so through a drain.
-    let settled = settle(&sink, &s.kafka.topic, &truth.counts, c.run.settle_timeout, &log).await?;
+    let settled =
+        settle(&sink, &s.kafka.topic, &truth.counts, c.run.settle_timeout, Duration::from_secs(5), &log).await?;
     let (stall, commits_back) = sampler.stop();
     monitor.abort();
     log.note(if settled {
@@ -467,6 +499,7 @@ async fn run(cli: Cli, pids: Pids) -> Result<Outcome> {
         peak_rss_kib: f.peak_rss_kib,
         peak_rss_of: f.peak_rss_of.clone(),
         faults: chaos.summary(),
+        log_start,
         incidents,
         wall: log.t0.elapsed(),
     })
@@ -488,8 +521,16 @@ async fn produce(k: KafkaSettings, partitions: i32, rate: u64, spec: Spec, log: 
     Ok(generator.into_truth())
 }
 
-/// Polls ClickHouse until the counts equal the truth; `false` after `timeout`.
-async fn settle(sink: &Sink, topic: &str, truth: &Billing, timeout: Duration, log: &Log) -> Result<bool> {
+/// Polls ClickHouse `every` so often until the counts equal the truth; `false` after
+/// `timeout`.
+async fn settle(
+    sink: &Sink,
+    topic: &str,
+    truth: &Billing,
+    timeout: Duration,
+    every: Duration,
+    log: &Log,
+) -> Result<bool> {
     let deadline = Instant::now() + timeout;
     loop {
         match sink.billing(Some(topic), None, None).await {
@@ -498,13 +539,13 @@ async fn settle(sink: &Sink, topic: &str, truth: &Billing, timeout: Duration, lo
                 if d.is_exact() {
                     return Ok(true);
                 }
-                log.note(format!("settling: {} of {} clicks counted", d.clicks_actual, d.clicks_expected));
+                log.note(format!("settling {topic}: {} of {} clicks counted", d.clicks_actual, d.clicks_expected));
             }
-            Err(e) => log.note(format!("settling: reading counts failed: {e}")),
+            Err(e) => log.note(format!("settling {topic}: reading counts failed: {e}")),
         }
         if Instant::now() >= deadline {
             return Ok(false);
         }
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        tokio::time::sleep(every).await;
     }
 }

@@ -19,6 +19,17 @@ use rdkafka::{Offset, TopicPartitionList};
 
 use crate::inject::Kills;
 use crate::progress::Stall;
+use crate::young::CaseOutcome;
+
+/// Clicks missing: the per-bucket deficits.
+pub fn lost(d: &Diff) -> u64 {
+    d.mismatches.iter().map(|m| m.expected.saturating_sub(m.actual)).sum()
+}
+
+/// Clicks counted twice: the per-bucket surpluses.
+pub fn doubled(d: &Diff) -> u64 {
+    d.mismatches.iter().map(|m| m.actual.saturating_sub(m.expected)).sum()
+}
 
 /// The dead letters read back: the distinct source positions the members ("run")
 /// dead-lettered, per reason, and how many letters there were in all.
@@ -155,17 +166,19 @@ pub struct Outcome {
     pub peak_rss_kib: u64,
     pub peak_rss_of: String,
     pub faults: Vec<String>,
+    /// The cases at a topic's log start, each on a young topic of its own (`young`).
+    pub log_start: Vec<CaseOutcome>,
     pub incidents: Vec<Incident>,
     pub wall: Duration,
 }
 
 impl Outcome {
     pub fn lost(&self) -> u64 {
-        self.diff.mismatches.iter().map(|m| m.expected.saturating_sub(m.actual)).sum()
+        lost(&self.diff)
     }
 
     pub fn doubled(&self) -> u64 {
-        self.diff.mismatches.iter().map(|m| m.actual.saturating_sub(m.expected)).sum()
+        doubled(&self.diff)
     }
 
     pub fn dead_letters_expected(&self) -> u64 {
@@ -224,15 +237,17 @@ impl Outcome {
                 self.kills.planned_mid_flush()
             ));
         }
-        vec![
-            ("counts exact (vs the generator's truth)", counts),
-            ("counts settled within the timeout", settled),
+        let mut checks =
+            vec![("counts exact (vs the generator's truth)", counts), ("counts settled within the timeout", settled)];
+        checks.extend(self.log_start.iter().map(|o| (o.case.check(), o.failures())));
+        checks.extend([
             ("sealed hours and days agree with the minute rows", self.seals.clone()),
             ("dead letters (one per invalid record)", letters),
             ("progress (no stall past the limit)", progress),
             ("mid-flush kills landed mid-flush", mid_flush),
             ("members, replays and leaves ran clean", self.incidents.clone()),
-        ]
+        ]);
+        checks
     }
 
     /// Why the run fails, each prefixed with its check; empty when it passes.
@@ -302,6 +317,15 @@ impl Outcome {
         for f in &self.faults {
             row("injected", f.clone());
         }
+        for o in &self.log_start {
+            row(
+                match o.case {
+                    crate::young::Case::CacheLost => "log start: cache lost at offset 0",
+                    crate::young::Case::FarFuture => "log start: first record in 2100",
+                },
+                o.summary(),
+            );
+        }
         row("wall time", format!("{:.0} s", self.wall.as_secs_f64()));
         for (check, failed) in self.checks() {
             row(
@@ -352,6 +376,7 @@ mod tests {
             peak_rss_kib: 0,
             peak_rss_of: String::new(),
             faults: Vec::new(),
+            log_start: Vec::new(),
             incidents: Vec::new(),
             wall: Duration::ZERO,
         }
@@ -420,5 +445,41 @@ mod tests {
         assert!(o.table().contains("| check: mid-flush kills landed mid-flush"), "{}", o.table());
         o.kills = Kills::default();
         assert!(o.failures().is_empty(), "no kill planned mid-flush, none to land");
+    }
+
+    #[test]
+    fn a_log_start_case_that_is_not_exact_fails_the_run_with_a_row_of_its_own() {
+        use crate::young::{Case, CaseOutcome};
+        let mut o = outcome(5, 5);
+        o.dead_letters.add(letter("oversized", 0, 1, "run"));
+        o.dead_letters.add(letter("oversized", 0, 2, "run"));
+        let k = BucketKey { ad_id: 2, minute: Minute::from_epoch_seconds(120) };
+        let case = |c: Case, actual: u64| CaseOutcome {
+            case: c,
+            records_sent: 10,
+            clicks_sent: 10,
+            diff: diff(&BTreeMap::from([(k, 10)]), &BTreeMap::from([(k, actual)])),
+            settled_after: (actual == 10).then_some(Duration::from_secs(2)),
+            settle_timeout: Duration::from_secs(90),
+            notes: vec!["log ends 3..5".into()],
+            problems: Vec::new(),
+            took: Duration::from_secs(30),
+        };
+        o.log_start = vec![case(Case::CacheLost, 10), case(Case::FarFuture, 12)];
+        let table = o.table();
+        assert!(table.contains("| check: log start: cache lost at offset 0, counts exact | PASS"), "{table}");
+        assert!(
+            table.contains("| check: log start: first record in 2100, counts exact | FAIL: 2 clicks counted twice"),
+            "{table}"
+        );
+        assert_eq!(
+            o.failures(),
+            vec![
+                "log start: first record in 2100, counts exact: 2 clicks counted twice".to_string(),
+                "log start: first record in 2100, counts exact: the counts were not exact within 90 s of the last record"
+                    .to_string(),
+            ]
+        );
+        assert_eq!((o.lost(), o.doubled()), (0, 0), "the main run's counts are apart");
     }
 }
