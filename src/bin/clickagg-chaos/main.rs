@@ -2,7 +2,11 @@
 //! starts one and passes its endpoints; this binary refuses to restart services of a
 //! stack that is not private).
 //!
-//! One consumer group of three `clickagg run` members consumes while the seeded
+//! First, two cases at a topic's log start (issue 35), side by side on young topics of
+//! their own (`young`): the dedup cache deleted while every restart point is offset 0,
+//! and a first record stamped 2100 on every other partition, each checked exact.
+//!
+//! Then one consumer group of three `clickagg run` members consumes while the seeded
 //! generator produces at a fixed rate — duplicates (some re-stamped into another
 //! minute), copies of clicks on other partitions, invalid records; meanwhile the driver
 //! SIGKILLs members (some while a flush is in flight, some while ClickHouse is down and
