@@ -1,9 +1,10 @@
 //! The two cases at a topic's log start (issue 35, defects 1 and 2), run before the main
 //! run, side by side: each on a young topic of its own (fewer records per partition than
-//! the members' `pipeline.batch_offsets`, so no batch completes, nothing is committed and
-//! every partition's restart point stays offset 0) with a group of two members, the
-//! generator's traffic (retries, 30 % of them re-stamped into another minute, and copies
-//! on other partitions), and the counts checked against the generator's truth.
+//! the members' `pipeline.batch_offsets`, so no batch completes and every start the
+//! members plan reads from offset 0, which their logs must show) with a group of two
+//! members, the generator's traffic (retries, 30 % of them re-stamped into another
+//! minute, and copies on other partitions), and the counts checked against the
+//! generator's truth.
 //!
 //! - **Cache lost at the log start** (defect 1): every dedup key of the topic deleted while
 //!   the members run, as the integration test
@@ -339,7 +340,12 @@ async fn run(case: Case, cx: &Setup) -> Result<CaseOutcome> {
     if !diff.is_exact() {
         note(format!("counts differ from the truth:\n{}", diff.report(20)));
     }
-    // Every partition still below its first batch boundary: the case held.
+    // Every start planned at the log start, and how the members noticed a loss: what their
+    // logs say.
+    let starts = planned_starts(&cx.launcher.logs, &format!("{}-m", case.slug()))?;
+    notes.push(starts.summary());
+    problems.extend(starts.problems());
+    // Every partition still below its first batch boundary at the end.
     let ends = {
         let (k, topic) = (k.clone(), k.topic.clone());
         tokio::task::spawn_blocking(move || log_ends(&k, &topic, partitions)).await??
@@ -454,6 +460,80 @@ async fn lose_cache(
     }
     note(format!("SIGCONT {frozen_label}"));
     result
+}
+
+/// What the members' logs say of where they planned their partitions' starts, and of the
+/// losses of the cache they noticed.
+#[derive(Debug, Default, PartialEq)]
+struct Starts {
+    /// Starts planned ("partition start planned"), and those not reading from offset 0:
+    /// (partition, read_from).
+    planned: u64,
+    elsewhere: Vec<(i64, i64)>,
+    /// Why a member found the cache lost, each reason once.
+    losses: BTreeSet<String>,
+}
+
+impl Starts {
+    fn read(&mut self, line: &str) {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { return };
+        let field = |k: &str| v.get(k);
+        match field("message").and_then(|m| m.as_str()) {
+            Some("partition start planned") => {
+                self.planned += 1;
+                let read_from = field("read_from").and_then(|o| o.as_i64()).unwrap_or(-1);
+                if read_from != 0 {
+                    self.elsewhere.push((field("partition").and_then(|p| p.as_i64()).unwrap_or(-1), read_from));
+                }
+            }
+            Some(m) if m.starts_with("the dedup cache lost what this member relied on") => {
+                if let Some(why) = field("lost").and_then(|w| w.as_str()) {
+                    // The namespace names differ from loss to loss; the reasons do not.
+                    self.losses.insert(why.split(", ").next().unwrap_or(why).to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn summary(&self) -> String {
+        let mut s = format!("{} partition starts planned", self.planned);
+        if self.elsewhere.is_empty() {
+            s.push_str(", all from offset 0");
+        }
+        if !self.losses.is_empty() {
+            s.push_str(&format!("; losses noticed: {}", self.losses.iter().cloned().collect::<Vec<_>>().join(" | ")));
+        }
+        s
+    }
+
+    fn problems(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.planned == 0 {
+            out.push("no member logged a planned partition start".to_string());
+        }
+        if !self.elsewhere.is_empty() {
+            out.push(format!(
+                "starts planned past the log start (partition, offset): {:?}: the topic was not young",
+                self.elsewhere
+            ));
+        }
+        out
+    }
+}
+
+/// Reads the logs of every member whose label starts with `prefix` (all incarnations).
+fn planned_starts(logs: &std::path::Path, prefix: &str) -> Result<Starts> {
+    let mut starts = Starts::default();
+    for entry in std::fs::read_dir(logs).with_context(|| format!("reading {}", logs.display()))? {
+        let path = entry?.path();
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
+        if name.starts_with(prefix) && name.ends_with(".log") {
+            let text = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+            String::from_utf8_lossy(&text).lines().for_each(|l| starts.read(l));
+        }
+    }
+    Ok(starts)
 }
 
 /// Whether `line` appears in the log at `path` after byte `from` within `timeout`.
@@ -590,6 +670,35 @@ mod tests {
         let a = traffic(Case::CacheLost, 1, &sizes, 0);
         let b = traffic(Case::FarFuture, 1, &sizes, 0);
         assert_ne!(a.seed, b.seed, "the two topics carry other clicks");
+    }
+
+    #[test]
+    fn the_members_logs_tell_where_each_start_was_planned_and_why_the_cache_was_lost() {
+        let mut s = Starts::default();
+        for line in [
+            r#"{"timestamp":"2026-12-07T17:34:14.867473Z","level":"INFO","message":"partition start planned","partition":0,"committed":"None","count_from":0,"read_from":0,"cache_frontier":"Some(-1)","target":"clickagg::planner"}"#,
+            r#"{"timestamp":"2026-12-07T17:34:19.937826Z","level":"WARN","message":"the dedup cache lost what this member relied on; rebuilding every partition's state from the log","lost":"key group 0 holds no dedup state at all","target":"clickagg::member::poll_loop"}"#,
+            r#"{"timestamp":"2026-12-07T17:34:21.364743Z","level":"WARN","message":"the dedup cache lost what this member relied on; rebuilding every partition's state from the log","lost":"key group 0 holds another namespace, 287656fef3.6a97718cfbd7b6d4","target":"clickagg::member::poll_loop"}"#,
+            r#"{"timestamp":"2026-12-07T17:34:22.349748Z","level":"WARN","message":"the dedup cache lost what this member relied on; rebuilding every partition's state from the log","lost":"key group 0 lost claims of partition 2 it had acknowledged","target":"clickagg::member::poll_loop"}"#,
+            r#"{"timestamp":"2026-12-07T17:34:32.423430Z","level":"INFO","message":"partition start planned","partition":2,"committed":"Some(776)","count_from":0,"read_from":0,"cache_frontier":"Some(777)","target":"clickagg::planner"}"#,
+            "not json",
+        ] {
+            s.read(line);
+        }
+        assert_eq!(s.planned, 2);
+        assert!(s.problems().is_empty());
+        assert_eq!(
+            s.summary(),
+            "2 partition starts planned, all from offset 0; losses noticed: key group 0 holds another namespace | \
+             key group 0 holds no dedup state at all | key group 0 lost claims of partition 2 it had acknowledged"
+        );
+        s.read(r#"{"message":"partition start planned","partition":3,"read_from":10000}"#);
+        assert_eq!(
+            s.problems(),
+            vec!["starts planned past the log start (partition, offset): [(3, 10000)]: the topic was not young"
+                .to_string()]
+        );
+        assert_eq!(Starts::default().problems(), vec!["no member logged a planned partition start".to_string()]);
     }
 
     #[test]
