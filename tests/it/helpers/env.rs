@@ -138,8 +138,22 @@ impl TestEnv {
             extra_env: Vec::new(),
         };
         eprintln!("test environment {}: members' logs in {}", env.topic, env.log_dir.display());
-        env.sink().migrate().await.expect("migrate");
+        env.migrate().await;
         env
+    }
+
+    /// Creates this test's tables. A transient error is retried, as a member retries
+    /// it: on the cluster stack a ZooKeeper restart in the test before leaves the
+    /// replicated tables' sessions expired for up to ten seconds (measured on 18.16).
+    async fn migrate(&self) {
+        wait_until("this test's tables are created", Duration::from_secs(120), || async {
+            match self.sink().migrate().await {
+                Ok(_) => Ok(()),
+                Err(e) if e.is_fatal() => panic!("migrate: {e}"),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+        .await;
     }
 
     /// Settings as a member would load them (no file, this test's names).
@@ -424,6 +438,17 @@ impl TestEnv {
         self.sink().billing(Some(&self.topic), None, None).await.expect("billing")
     }
 
+    /// [`billing`](Self::billing) for a wait: a transient error (a server down, or its
+    /// ZooKeeper session expired after an outage the test made) is "not yet", a fatal
+    /// one still fails the test.
+    async fn billing_when_readable(&self) -> Result<BTreeMap<BucketKey, u64>, String> {
+        match self.sink().billing(Some(&self.topic), None, None).await {
+            Ok(b) => Ok(b),
+            Err(e) if e.is_fatal() => panic!("billing: {e}"),
+            Err(e) => Err(format!("billing not readable: {e}")),
+        }
+    }
+
     /// Waits until the billing counts equal `expected`, then checks they stay equal for
     /// a while (a late over-count would show up there), and that sealing every hour
     /// gives what the minute rows say. Panics with a diff otherwise.
@@ -436,7 +461,7 @@ impl TestEnv {
     pub async fn assert_counts_settle(&self, expected: &BTreeMap<BucketKey, u64>, timeout: Duration) {
         let what = format!("counts converge (logs: {})", self.log_dir.display());
         wait_until(&what, timeout, || async {
-            let d = clickagg::verify::diff(expected, &self.billing().await);
+            let d = clickagg::verify::diff(expected, &self.billing_when_readable().await?);
             if d.is_exact() {
                 Ok(())
             } else {
