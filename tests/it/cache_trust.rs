@@ -34,6 +34,19 @@ async fn consumed_at_least(member: &crate::helpers::Member, n: u64) {
     .await;
 }
 
+/// Waits until the member holds at least one partition.
+async fn holds_partitions(member: &crate::helpers::Member) {
+    wait_until("partitions on the member", Duration::from_secs(120), || async {
+        let n = member.metric("clickagg_assigned_partitions", &[]).await;
+        if n > 0.0 {
+            Ok(())
+        } else {
+            Err(format!("{n} assigned"))
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dedup_key_deleted_mid_run_while_retries_and_copies_arrive_counts_exactly() {
     let env = TestEnv::new("keyslost").await;
@@ -78,15 +91,7 @@ async fn a_rebalance_planned_across_a_redis_restarted_empty_counts_exactly() {
     consumed_at_least(&b, 3_000).await;
     // Both in the group, each with partitions: `a`'s go to `b` when it dies.
     for m in [&a, &b] {
-        wait_until("partitions on both members", Duration::from_secs(120), || async {
-            let n = m.metric("clickagg_assigned_partitions", &[]).await;
-            if n > 0.0 {
-                Ok(())
-            } else {
-                Err(format!("{n} assigned"))
-            }
-        })
-        .await;
+        holds_partitions(m).await;
     }
     stack.down("redis").await;
     // `b` takes over `a`'s partitions once `a`'s session (6 s) expired, and plans them
@@ -129,15 +134,7 @@ async fn a_cache_lost_while_every_partition_restarts_at_the_log_start_counts_aga
     let mut a = env.spawn_member("a");
     let mut b = env.spawn_member("b");
     for m in [&a, &b] {
-        wait_until("partitions on both members", Duration::from_secs(120), || async {
-            let n = m.metric("clickagg_assigned_partitions", &[]).await;
-            if n > 0.0 {
-                Ok(())
-            } else {
-                Err(format!("{n} assigned"))
-            }
-        })
-        .await;
+        holds_partitions(m).await;
         consumed_at_least(m, 1_000).await;
     }
     b.signal(libc::SIGSTOP);

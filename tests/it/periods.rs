@@ -316,6 +316,30 @@ async fn supersede(env: &TestEnv, label: &str, to: &str) -> String {
     p.output()
 }
 
+/// A past day's clicks (`spec`) on 4 partitions, then today's over three batches per
+/// partition so that every batch of that day is finished and committed; a member counts
+/// both. Returns the truth of both days and the member.
+async fn a_past_day_then_today(env: &TestEnv, spec: &Spec, today_seed: u64) -> (Truth, crate::helpers::Member) {
+    let (records, mut truth) = produce::plan(spec);
+    let now_ms = chrono::Utc::now().timestamp_millis();
+    let today = Spec {
+        count: 3 * 4 * env.batch_offsets,
+        seed: today_seed,
+        ads: spec.ads,
+        start_ms: now_ms - 3_600_000,
+        ..Spec::default()
+    };
+    let (after, after_truth) = produce::plan(&today);
+    for (k, c) in after_truth.counts {
+        *truth.counts.entry(k).or_default() += c;
+    }
+    env.send(&records, 4, None).await;
+    env.send(&after, 4, None).await;
+    let member = env.spawn_member("m");
+    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    (truth, member)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_the_corrections() {
     let env = TestEnv::new("supersede").await;
@@ -329,19 +353,7 @@ async fn a_superseding_replay_repairs_wrong_rows_and_adjusts_the_closed_day_by_t
         span: Duration::from_secs(3 * 3600),
         ..Spec::default()
     };
-    let (records, mut truth) = produce::plan(&spec);
-    // Today's clicks follow, over more than a batch per partition, so that every batch
-    // of that day is finished and committed by the member.
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    let today = Spec { count: 3 * 4 * n, seed: 64, ads: 100, start_ms: now_ms - 3_600_000, ..Spec::default() };
-    let (after, after_truth) = produce::plan(&today);
-    for (k, c) in after_truth.counts {
-        *truth.counts.entry(k).or_default() += c;
-    }
-    env.send(&records, 4, None).await;
-    env.send(&after, 4, None).await;
-    let mut member = env.spawn_member("m");
-    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (truth, mut member) = a_past_day_then_today(&env, &spec, 64).await;
     let want = totals_of_day(&truth.counts, day);
 
     // Wrong rows in that day's batches, as a past flush that miscounted (a cache lost
@@ -511,18 +523,7 @@ async fn a_supersede_stopped_by_sigterm_leaves_no_count_short_and_adjusts_no_clo
         span: Duration::from_secs(1800),
         ..Spec::default()
     };
-    let (records, mut truth) = produce::plan(&spec);
-    // Today's clicks follow, so that every batch of that day is committed by the member.
-    let now_ms = chrono::Utc::now().timestamp_millis();
-    let today = Spec { count: 3 * 4 * n, seed: 66, ads: 10, start_ms: now_ms - 3_600_000, ..Spec::default() };
-    let (after, after_truth) = produce::plan(&today);
-    for (k, c) in after_truth.counts {
-        *truth.counts.entry(k).or_default() += c;
-    }
-    env.send(&records, 4, None).await;
-    env.send(&after, 4, None).await;
-    let mut member = env.spawn_member("m");
-    env.assert_counts_settle(&truth.counts, CONVERGE).await;
+    let (truth, mut member) = a_past_day_then_today(&env, &spec, 66).await;
     let (code, stdout, stderr) = run(&env, &["seal", "--through", &rfc3339(day + DAY)]);
     assert_eq!(code, 0, "{stdout}\n{stderr}");
     close_day(&env, day, &["--force"]);
