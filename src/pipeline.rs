@@ -822,3 +822,23 @@ impl Reader {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn secs_ago(ago: i64) -> Secs {
+        Secs::new(u32::try_from(chrono::Utc::now().timestamp() - ago).expect("a time before 2106"))
+    }
+
+    #[test]
+    fn a_reader_holds_the_sweep_only_while_it_lags_by_more_than_half_the_lag_and_has_records_to_read() {
+        let lag = Duration::from_secs(600);
+        let far_behind = secs_ago(3_600);
+        assert_eq!(hold(far_behind, true, lag), Some(far_behind), "lagging, with records to read");
+        assert_eq!(hold(far_behind, false, lag), None, "lagging, but at the end of its partition");
+        assert_eq!(hold(secs_ago(60), true, lag), None, "within half the lag of the wall clock");
+        let past_half = secs_ago(400);
+        assert_eq!(hold(past_half, true, lag), Some(past_half), "past half the lag");
+    }
+}

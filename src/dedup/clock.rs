@@ -82,6 +82,7 @@ impl From<Secs> for i64 {
     }
 }
 
+/// Plain seconds, as the model's reports print a clock.
 impl std::fmt::Display for Secs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         self.0.fmt(f)
@@ -258,6 +259,17 @@ mod tests {
 
     fn read(time: u32, now: u32, confirms: Option<(i64, u128)>) -> Read {
         Read { time: Secs::new(time), now: Secs::new(now), confirms }
+    }
+
+    #[test]
+    fn a_record_without_a_timestamp_is_not_one_stamped_in_1970() {
+        // librdkafka reports "no timestamp" as -1 ms: that is no time, not the epoch.
+        assert_eq!(secs_of_millis(-1), None);
+        assert_eq!(secs_of_millis(-1_000), None);
+        assert_eq!(secs_of_millis(0), Some(Secs::ZERO), "the epoch itself is a time");
+        assert_eq!(secs_of_millis(999), Some(Secs::ZERO));
+        assert_eq!(secs_of_millis(1_000), Some(Secs::new(1)));
+        assert_eq!(Secs::new(90).to_string(), "90", "printed as plain seconds");
     }
 
     #[test]
