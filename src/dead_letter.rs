@@ -27,7 +27,8 @@
 //! **Timestamps.** A dead letter keeps the record's Kafka timestamp. A topic refuses
 //! timestamps too far ahead of the broker's clock (Kafka 4's
 //! `message.timestamp.after.max.ms`, one hour by default) or behind it, while the
-//! source topic may have accepted them: a letter refused with `InvalidTimestamp` is sent
+//! source topic may have accepted them: a letter refused with `InvalidTimestamp` (or
+//! `InvalidRecord`, which Kafka 4.1 also answered for such letters) is sent
 //! again stamped with the current time, the original in `clickagg-original-timestamp`.
 //! A record stamped in the year 2100 gets its dead letter like any other.
 //!
@@ -196,14 +197,9 @@ impl DeadLetters {
             for ((item, form), result) in pending.iter().zip(results) {
                 match result.map_err(|(e, _)| e) {
                     Ok(_) => {}
-                    Err(e) => match (e.rdkafka_error_code(), form) {
-                        (Some(RDKafkaErrorCode::MessageSizeTooLarge), f) if f.budget > 0 => {
-                            again.push((*item, Form { budget: 0, ..*f }))
-                        }
-                        (Some(RDKafkaErrorCode::InvalidTimestamp), f) if !f.restamp => {
-                            again.push((*item, Form { restamp: true, ..*f }))
-                        }
-                        _ => return Err(DeadLetterError::classify(&self.topic, e)),
+                    Err(e) => match e.rdkafka_error_code().and_then(|code| form.after_refusal(code)) {
+                        Some(next) => again.push((*item, next)),
+                        None => return Err(DeadLetterError::classify(&self.topic, e)),
                     },
                 }
             }
@@ -227,10 +223,32 @@ impl DeadLetters {
 }
 
 /// How a dead letter is sent: its size budget, and whether it is stamped now.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Form {
     budget: usize,
     restamp: bool,
+}
+
+impl Form {
+    /// How to send a letter again after the broker refused it with `code`, or `None`
+    /// when nothing clickagg can change would help (the error is then classified).
+    ///
+    /// A refused timestamp is resent stamped now. Kafka 4.1 usually reports it as
+    /// `InvalidTimestamp`, but the chaos run also saw `InvalidRecord` for two letters
+    /// stamped in 2100; so `InvalidRecord` also earns one restamped try, and a topic
+    /// that still refuses the letter (a compacted one, which refuses records without a
+    /// key) is then fatal. A letter failed only because it shared a batch with a refused
+    /// one (librdkafka's `InvalidDifferentRecord`) is resent as it was.
+    fn after_refusal(self, code: RDKafkaErrorCode) -> Option<Form> {
+        match code {
+            RDKafkaErrorCode::InvalidDifferentRecord => Some(self),
+            RDKafkaErrorCode::MessageSizeTooLarge if self.budget > 0 => Some(Form { budget: 0, ..self }),
+            RDKafkaErrorCode::InvalidTimestamp | RDKafkaErrorCode::InvalidRecord if !self.restamp => {
+                Some(Form { restamp: true, ..self })
+            }
+            _ => None,
+        }
+    }
 }
 
 /// The producer's `message.max.bytes`, the most a dead letter may weigh.
@@ -361,6 +379,23 @@ mod tests {
 
     fn header<'a>(l: &'a Letter<'_>, name: &str) -> Option<&'a str> {
         l.headers.iter().find(|(k, _)| k == name).map(|(_, v)| std::str::from_utf8(v).unwrap())
+    }
+
+    #[test]
+    fn a_refused_timestamp_is_resent_stamped_now_whichever_code_the_broker_uses_and_only_once() {
+        let first = Form { budget: LIMIT, restamp: false };
+        let restamped = Form { budget: LIMIT, restamp: true };
+        assert_eq!(first.after_refusal(RDKafkaErrorCode::InvalidTimestamp), Some(restamped));
+        assert_eq!(first.after_refusal(RDKafkaErrorCode::InvalidRecord), Some(restamped));
+        // Refused again once stamped now: nothing left to change (a compacted topic).
+        assert_eq!(restamped.after_refusal(RDKafkaErrorCode::InvalidRecord), None);
+        assert_eq!(restamped.after_refusal(RDKafkaErrorCode::InvalidTimestamp), None);
+        // Too large: once without the record's parts, then fatal.
+        assert_eq!(first.after_refusal(RDKafkaErrorCode::MessageSizeTooLarge), Some(Form { budget: 0, restamp: false }));
+        assert_eq!(Form { budget: 0, restamp: false }.after_refusal(RDKafkaErrorCode::MessageSizeTooLarge), None);
+        assert_eq!(first.after_refusal(RDKafkaErrorCode::TopicAuthorizationFailed), None);
+        // A batch-mate of a refused letter goes again as it was.
+        assert_eq!(restamped.after_refusal(RDKafkaErrorCode::InvalidDifferentRecord), Some(restamped));
     }
 
     #[test]
