@@ -391,7 +391,10 @@ mod tests {
         assert_eq!(restamped.after_refusal(RDKafkaErrorCode::InvalidRecord), None);
         assert_eq!(restamped.after_refusal(RDKafkaErrorCode::InvalidTimestamp), None);
         // Too large: once without the record's parts, then fatal.
-        assert_eq!(first.after_refusal(RDKafkaErrorCode::MessageSizeTooLarge), Some(Form { budget: 0, restamp: false }));
+        assert_eq!(
+            first.after_refusal(RDKafkaErrorCode::MessageSizeTooLarge),
+            Some(Form { budget: 0, restamp: false })
+        );
         assert_eq!(Form { budget: 0, restamp: false }.after_refusal(RDKafkaErrorCode::MessageSizeTooLarge), None);
         assert_eq!(first.after_refusal(RDKafkaErrorCode::TopicAuthorizationFailed), None);
         // A batch-mate of a refused letter goes again as it was.

@@ -55,13 +55,90 @@ pub struct Job {
     pub commit_mode: CommitMode,
 }
 
-/// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock by
-/// more than half of `dedup.max_record_lag` with records still to read (`behind`): the
-/// sweeper keeps what it still needs.
-pub fn hold(clock: Secs, behind: bool, max_record_lag: Duration) -> Option<Secs> {
-    let now = chrono::Utc::now().timestamp().max(0) as u64;
+/// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock
+/// (`now`, epoch seconds) by more than half of `dedup.max_record_lag` with records still
+/// to read (`behind`): the sweeper keeps what it still needs. The property model's
+/// members call it too.
+pub fn hold(clock: Secs, behind: bool, max_record_lag: Duration, now: u64) -> Option<Secs> {
     let lagging = now.saturating_sub(u64::from(clock)) > max_record_lag.as_secs() / 2;
     (lagging && behind).then_some(clock)
+}
+
+/// One record as its reader's dedup state sees it ([`claims_of`]).
+#[derive(Debug, Clone, Copy)]
+pub struct ItemAt {
+    /// Its partition, offset, record time and the partition's clock just after it.
+    pub sighting: Sighting,
+    /// Before the reader's first counted offset: it only rebuilds dedup state.
+    pub warm: bool,
+    /// The pin recorded for it, if any.
+    pub pin: Option<Pin>,
+    /// The click judged ahead whose jump it confirms (offset, fingerprint).
+    pub confirms: Option<(i64, u128)>,
+    /// Its click's fingerprint; `None` when it is not a valid click.
+    pub fingerprint: Option<Fingerprint>,
+}
+
+/// What one record asks of the dedup state, in order: the confirmation of the jump it
+/// confirms, then its own sighting.
+#[derive(Debug, Default)]
+pub struct ItemClaims {
+    /// The confirmation to claim from the cache before the record's own sighting.
+    pub confirm: Option<Claim>,
+    /// The record's own sighting to claim from the cache.
+    pub own: Option<Claim>,
+    /// `own`'s verdict decides the record (a reader through the cache); otherwise the
+    /// claim only finishes a warm-up of the cache that a private reader decides past.
+    pub own_decides: bool,
+    /// The verdict a private reader decided from its own state.
+    pub verdict: Option<Verdict>,
+    /// The reader went back to the cache at this record.
+    pub resumed: bool,
+}
+
+/// What one record asks of its reader's dedup state: decided here by a private reader
+/// (`private`, while `scope` is private), claimed from the shared cache otherwise, and
+/// claimed as well where a private reader finishes a warm-up of the cache. The one
+/// statement of this step: `Stages::claim` and the property model's member both call it.
+pub fn claims_of(scope: &mut Scope, private: &mut PrivateScope, at: ItemAt) -> ItemClaims {
+    let Sighting { partition: p, offset: o, .. } = at.sighting;
+    let mut asks = ItemClaims::default();
+    if let Some((ahead, fp)) = at.confirms {
+        // Before this record's own claim: a retry of that click in it is judged
+        // against the confirmed reach.
+        let decided_here = matches!(*scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
+        if decided_here {
+            private.confirm(p, fp, ahead, at.sighting.now);
+        }
+        let fills = matches!(*scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
+        if !decided_here || fills {
+            let sighting = Sighting { offset: ahead, ..at.sighting };
+            let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
+            asks.confirm = Some(Claim { fingerprint: Fingerprint(fp), sighting, mode });
+        }
+    }
+    let Some(fingerprint) = at.fingerprint else { return asks };
+    let pin = at.pin;
+    if let Scope::Private { resume } = *scope {
+        if resume.is_some_and(|r| o >= r.shared_from()) {
+            // The cache holds everything before this offset again: back to it.
+            *scope = Scope::Shared { reread_until: None };
+            private.forget(p);
+            asks.resumed = true;
+        } else {
+            asks.verdict = Some(private.sight_at(fingerprint.0, at.sighting, if at.warm { None } else { pin }));
+            if resume.is_some_and(|r| r.fills_cache(o)) {
+                // The cache's last warm-up did not get this far: finish it.
+                let mode = ClaimMode { pin, warm: true, confirm: false };
+                asks.own = Some(Claim { fingerprint, sighting: at.sighting, mode });
+            }
+            return asks;
+        }
+    }
+    let mode = ClaimMode { pin, warm: at.warm, confirm: false };
+    asks.own = Some(Claim { fingerprint, sighting: at.sighting, mode });
+    asks.own_decides = true;
+    asks
 }
 
 /// What a poll batch did, for metrics and for `replay`'s summary.
@@ -445,54 +522,32 @@ impl Stages {
         items
     }
 
-    /// What an item of a poll batch asks of the dedup state: the confirmation of the
-    /// jump it confirms, then its own sighting — decided here by a private reader,
-    /// claimed from the shared cache otherwise (pushed to `claims`, in record order).
+    /// What an item of a poll batch asks of the dedup state ([`claims_of`]), its claims
+    /// pushed to `claims` in record order.
     fn claim(&mut self, i: &mut Item, claims: &mut Vec<ReaderClaim>) {
         let p = i.record.partition;
         let o = i.record.offset;
         let reader = self.readers.get_mut(&p).expect("items come from readers");
-        let generation = i.generation;
-        let mut push = |claim: Claim| {
-            claims.push(ReaderClaim { claim, generation });
-            claims.len() - 1
+        let at = ItemAt {
+            sighting: Sighting { partition: p, offset: o, clock: i.clock, now: i.now },
+            warm: i.warm,
+            pin: i.fingerprint.and_then(|_| reader.pins.get(o)),
+            confirms: i.confirms,
+            fingerprint: i.fingerprint,
         };
-        if let Some((ahead, fp)) = i.confirms {
-            // Before this record's own claim: a retry of that click in it is judged
-            // against the confirmed reach.
-            let private =
-                matches!(reader.scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
-            if private {
-                self.private.confirm(p, fp, ahead, i.now);
-            }
-            let fills = matches!(reader.scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
-            if !private || fills {
-                let sighting = Sighting { partition: p, offset: ahead, clock: i.clock, now: i.now };
-                let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
-                push(Claim { fingerprint: Fingerprint(fp), sighting, mode });
+        let asks = claims_of(&mut reader.scope, &mut self.private, at);
+        if asks.resumed {
+            info!(partition = p, offset = o, "deciding through the dedup cache again");
+        }
+        let generation = i.generation;
+        claims.extend(asks.confirm.into_iter().map(|claim| ReaderClaim { claim, generation }));
+        i.verdict = asks.verdict;
+        if let Some(claim) = asks.own {
+            claims.push(ReaderClaim { claim, generation });
+            if asks.own_decides {
+                i.claim = Some(claims.len() - 1);
             }
         }
-        let Some(fp) = i.fingerprint else { return };
-        let pin = reader.pins.get(o);
-        let sighting = Sighting { partition: p, offset: o, clock: i.clock, now: i.now };
-        if let Scope::Private { resume } = reader.scope {
-            if resume.is_some_and(|r| o >= r.shared_from()) {
-                // The cache holds everything before this offset again: back to it.
-                reader.scope = Scope::Shared { reread_until: None };
-                self.private.forget(p);
-                info!(partition = p, offset = o, "deciding through the dedup cache again");
-            } else {
-                i.verdict = Some(self.private.sight_at(fp.0, sighting, if i.warm { None } else { pin }));
-                if resume.is_some_and(|r| r.fills_cache(o)) {
-                    // The cache's last warm-up did not get this far: finish it.
-                    let mode = ClaimMode { pin, warm: true, confirm: false };
-                    push(Claim { fingerprint: fp, sighting, mode });
-                }
-                return;
-            }
-        }
-        let mode = ClaimMode { pin, warm: i.warm, confirm: false };
-        i.claim = Some(push(Claim { fingerprint: fp, sighting, mode }));
     }
 
     /// The last record of each partition read through the cache, click or not.
@@ -535,9 +590,10 @@ impl Stages {
     /// another member's sweeper deleted the old sightings those claims then missed
     /// (copies on other partitions counted twice).
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
+        let now = chrono::Utc::now().timestamp().max(0) as u64;
         self.readers
             .iter()
-            .map(|(&p, r)| (p, hold(r.decided_clock, behind(p, r.decided), self.max_record_lag)))
+            .map(|(&p, r)| (p, hold(r.decided_clock, behind(p, r.decided), self.max_record_lag, now)))
             .collect()
     }
 
@@ -827,18 +883,22 @@ impl Reader {
 mod tests {
     use super::*;
 
-    fn secs_ago(ago: i64) -> Secs {
-        Secs::new(u32::try_from(chrono::Utc::now().timestamp() - ago).expect("a time before 2106"))
+    const NOW: u64 = 1_800_000_000;
+
+    fn secs_ago(ago: u64) -> Secs {
+        Secs::new(u32::try_from(NOW - ago).expect("a time before 2106"))
     }
 
     #[test]
     fn a_reader_holds_the_sweep_only_while_it_lags_by_more_than_half_the_lag_and_has_records_to_read() {
         let lag = Duration::from_secs(600);
+        let hold = |clock, behind| hold(clock, behind, lag, NOW);
         let far_behind = secs_ago(3_600);
-        assert_eq!(hold(far_behind, true, lag), Some(far_behind), "lagging, with records to read");
-        assert_eq!(hold(far_behind, false, lag), None, "lagging, but at the end of its partition");
-        assert_eq!(hold(secs_ago(60), true, lag), None, "within half the lag of the wall clock");
-        let past_half = secs_ago(400);
-        assert_eq!(hold(past_half, true, lag), Some(past_half), "past half the lag");
+        assert_eq!(hold(far_behind, true), Some(far_behind), "lagging, with records to read");
+        assert_eq!(hold(far_behind, false), None, "lagging, but at the end of its partition");
+        assert_eq!(hold(secs_ago(60), true), None, "within half the lag of the wall clock");
+        assert_eq!(hold(secs_ago(300), true), None, "exactly half the lag");
+        let past_half = secs_ago(301);
+        assert_eq!(hold(past_half, true), Some(past_half), "past half the lag");
     }
 }

@@ -210,7 +210,8 @@ impl Planner {
             }
             // The sweeper must keep what this reader needs before it reads anything, if it
             // starts far behind the wall clock with records to read (`Stages::holds`).
-            holds.insert(p, hold(start.clock.now(), start.read_from < at[&p].high, self.max_record_lag));
+            let now = chrono::Utc::now().timestamp().max(0) as u64;
+            holds.insert(p, hold(start.clock.now(), start.read_from < at[&p].high, self.max_record_lag, now));
             // Every recorded decision from the first offset read on: a re-read applies it,
             // warm-up included, with the effect it had on the cache (the frontier may be lost).
             let pins = self.pins_from(p, start.read_from).await?;

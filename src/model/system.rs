@@ -2,8 +2,9 @@
 //! the group's committed offsets, the settings versions, the wall clock, and the
 //! processes — live members and replays — built from the product's pure pieces
 //! (`Aggregator`, `position`, `PartitionClock`, `PrivateScope`, `decide_shared` through
-//! the cache mirror, `sweep_cutoff`) and mirrors of the steps that do I/O:
-//! `Stages::prepare`/`apply`/`fall_back`/`start_over`/`holds`, `Planner::plan_starts`/
+//! the cache mirror, `sweep_cutoff`, and the pipeline's own claim step `claims_of` and
+//! sweep hold `hold`, so a change to either fails the model) and mirrors of the steps
+//! that do I/O: `Stages::prepare`/`apply`/`fall_back`/`start_over`, `Planner::plan_starts`/
 //! `fall_back`/`ensure_pins`, `planner::marks`, the `Claimer`, `Loop::run`/`start_over`/
 //! `rewind`, the flusher (pins, clocks, day, hour and minute rows, then the commit) and
 //! `replay`.
@@ -19,7 +20,8 @@ use super::redis::{group_of, ClaimIn, Lost, Ns, Recovered, Redis, Reply, GROUPS}
 use crate::aggregate::{Aggregator, BucketKey, Flush};
 use crate::cache::sweeper::sweep_cutoff;
 use crate::click::Minute;
-use crate::dedup::{Checkpoint, ClaimMode, PartitionClock, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict};
+use crate::dedup::{Checkpoint, Fingerprint, PartitionClock, Pin, PrivateScope, Secs, Sighting, Timeline, Verdict};
+use crate::pipeline::{claims_of, hold, ItemAt};
 use crate::position::BatchOffsets;
 use crate::position::{self, Marks, Resume, Scope, Start};
 use crate::sealing::Grain;
@@ -523,45 +525,29 @@ impl Stages {
         for (idx, i) in items.iter_mut().enumerate() {
             let (p, o) = (i.p, i.offset);
             let reader = self.readers.get_mut(&p).expect("items come from readers");
-            if let Some((ahead, fp)) = i.confirms {
+            if i.confirms.is_some() {
                 add(&coverage::CONFIRMS, 1);
-                let private =
-                    matches!(reader.scope, Scope::Private { resume } if resume.is_none_or(|r| o < r.shared_from()));
-                if private {
-                    self.private.confirm(p, fp, ahead, i.now);
-                }
-                let fills = matches!(reader.scope, Scope::Private { resume: Some(r) } if r.fills_cache(o));
-                if !private || fills {
-                    let sighting = Sighting { partition: p, offset: ahead, clock: i.clock, now: i.now };
-                    let mode = ClaimMode { confirm: true, ..ClaimMode::default() };
-                    claims.push(ClaimIn { id: fp as u32, sighting, mode });
-                    claimed.push(None);
-                    generations.push(i.generation);
-                }
             }
-            let Some(click) = i.click else { continue };
-            let pin = reader.pins.get(&o).copied();
-            let sighting = Sighting { partition: p, offset: o, clock: i.clock, now: i.now };
-            if let Scope::Private { resume } = reader.scope {
-                if resume.is_some_and(|r| o >= r.shared_from()) {
-                    add(&coverage::RESUMED, 1);
-                    reader.scope = Scope::Shared { reread_until: None };
-                    self.private.forget(p);
-                } else {
-                    let applied = if i.warm { None } else { pin };
-                    i.verdict = Some(self.private.sight_at(u128::from(click.id), sighting, applied));
-                    if resume.is_some_and(|r| r.fills_cache(o)) {
-                        let mode = ClaimMode { pin, warm: true, confirm: false };
-                        claims.push(ClaimIn { id: click.id, sighting, mode });
-                        claimed.push(None);
-                        generations.push(i.generation);
-                    }
-                    continue;
-                }
+            // The product's own step (`Stages::claim` calls it too).
+            let at = ItemAt {
+                sighting: Sighting { partition: p, offset: o, clock: i.clock, now: i.now },
+                warm: i.warm,
+                pin: i.click.and_then(|_| reader.pins.get(&o).copied()),
+                confirms: i.confirms,
+                fingerprint: i.click.map(|c| Fingerprint(u128::from(c.id))),
+            };
+            let asks = claims_of(&mut reader.scope, &mut self.private, at);
+            if asks.resumed {
+                add(&coverage::RESUMED, 1);
             }
-            claims.push(ClaimIn { id: click.id, sighting, mode: ClaimMode { pin, warm: i.warm, confirm: false } });
-            claimed.push(Some(idx));
-            generations.push(i.generation);
+            i.verdict = asks.verdict;
+            for (claim, decides) in
+                asks.confirm.map(|c| (c, false)).into_iter().chain(asks.own.map(|c| (c, asks.own_decides)))
+            {
+                claims.push(ClaimIn { id: claim.fingerprint.0 as u32, sighting: claim.sighting, mode: claim.mode });
+                claimed.push(decides.then_some(idx));
+                generations.push(i.generation);
+            }
         }
         let mut last: BTreeMap<i32, (Sighting, u64)> = BTreeMap::new();
         for i in &items {
@@ -792,9 +778,8 @@ impl Member {
             .readers
             .iter()
             .map(|(&p, r)| {
-                let clock = r.decided_clock;
-                let lagging = w.wall.saturating_sub(clock.get()) > LAG / 2 && r.decided + 1 < w.len(p);
-                (p, lagging.then_some(clock))
+                let behind = r.decided + 1 < w.len(p);
+                (p, hold(r.decided_clock, behind, Duration::from_secs(LAG.into()), w.wall.into()))
             })
             .collect();
         if holds != self.holds && !holds.is_empty() {
