@@ -202,6 +202,8 @@ pub struct Stages {
     freshness: t::ClicksByTenth,
     /// Cuts of partitions that fell back to private state, written with the next flush.
     carried: Flush,
+    /// Commits to send again with the next cut ([`Stages::commit_again`]).
+    resend: BTreeMap<i32, i64>,
     /// Partition clocks at the batch boundaries crossed since the last cut: written
     /// with the next flush, before its commits (`clickagg_clocks`).
     clocks: Vec<Checkpoint>,
@@ -402,6 +404,7 @@ impl Stages {
             rejected: Vec::new(),
             freshness: BTreeMap::new(),
             carried: Flush::default(),
+            resend: BTreeMap::new(),
             clocks: Vec::new(),
             totals: BatchStats::default(),
             status,
@@ -827,6 +830,15 @@ impl Stages {
         self.job(flush, commit_mode)
     }
 
+    /// Commits the broker refused (`GroupContext::commit_callback`; an asynchronous
+    /// commit sent while a rebalance is under way): each goes again with the next cut if
+    /// its partition is still read and no later commit was cut since. Without this, a
+    /// partition with nothing more to read would keep the group's offset behind what is
+    /// durable until the next record, however long that is.
+    pub fn commit_again(&mut self, refused: BTreeMap<i32, i64>) {
+        self.resend.extend(refused);
+    }
+
     fn job(&mut self, flush: Flush, commit_mode: CommitMode) -> Job {
         let mut all = std::mem::take(&mut self.carried);
         all.merge(flush);
@@ -841,6 +853,14 @@ impl Stages {
             Some(_) => false,
             None => true,
         });
+        // A refused commit is still the reader's latest only if no later one was cut
+        // (`commit_floor` is the last commit cut; a new reader starts it at the group's
+        // committed offset).
+        for (p, offset) in std::mem::take(&mut self.resend) {
+            if self.readers.get(&p).is_some_and(|r| r.commit_floor == offset) {
+                all.commits.entry(p).or_insert(offset);
+            }
+        }
         let buckets = all.rows.len();
         Job {
             flush: all,
@@ -882,6 +902,77 @@ impl Reader {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::position::{BatchOffsets, Start};
+
+    const T0: u32 = 1_800_000_000;
+
+    fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<Record> {
+        offsets
+            .map(|offset| Record {
+                partition,
+                offset,
+                timestamp_ms: Some(i64::from(T0) * 1000),
+                outcome: Ok(Click {
+                    click_id: Fingerprint(((partition as u128) << 64) | offset as u128),
+                    ad_id: 1,
+                    ts_ms: i64::from(T0) * 1000,
+                    minute: crate::click::Minute::from_epoch_seconds(T0),
+                }),
+            })
+            .collect()
+    }
+
+    /// Stages reading partitions 0 and 1 privately from offset 0.
+    fn reading() -> Stages {
+        let cfg = StagesConfig {
+            batch_offsets: BatchOffsets::new(10).unwrap(),
+            window: Secs::new(86_400),
+            max_record_lag: Duration::from_secs(3600),
+            dead_letters: false,
+        };
+        let mut stages = Stages::new(cfg, Default::default());
+        let start = |partition| Start {
+            partition,
+            read_from: 0,
+            count_from: 0,
+            clock: crate::dedup::PartitionClock::at(None),
+            scope: Scope::Private { resume: None },
+            commit_floor: 0,
+        };
+        stages.assign(vec![(start(0), RecordedPins::before(0)), (start(1), RecordedPins::before(0))]);
+        stages
+    }
+
+    fn read(stages: &mut Stages, records: Vec<Record>) {
+        let prepared = stages.prepare(records);
+        stages.apply(prepared, Vec::new());
+    }
+
+    // Found in a CI rehearsal (`cache_trust`, a member frozen past its session): a
+    // member's last commits were refused during a rebalance that left it its
+    // partitions; with nothing more to read it never committed again, and the group's
+    // offsets stayed 2 500 records behind what was durable for as long as it ran.
+    #[test]
+    fn a_commit_the_broker_refused_goes_again_with_the_next_cut_unless_a_later_one_passed_it() {
+        let mut stages = reading();
+        read(&mut stages, clicks(0, 0..5).into_iter().chain(clicks(1, 0..7)).collect());
+        let job = stages.cut(CommitMode::Async);
+        assert_eq!(job.flush.commits, BTreeMap::from([(0, 5), (1, 7)]));
+        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty(), "nothing new read: nothing to commit");
+        // Both refused; partition 1 then reads on, so its next commit covers the refused one.
+        stages.commit_again(BTreeMap::from([(0, 5), (1, 7)]));
+        read(&mut stages, clicks(1, 7..9));
+        assert_eq!(stages.cut(CommitMode::Async).flush.commits, BTreeMap::from([(0, 5), (1, 9)]));
+        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty(), "sent again once, not on every cut");
+        // A refusal reported after a later commit was cut is not sent again: that one covers it.
+        read(&mut stages, clicks(0, 5..6));
+        assert_eq!(stages.cut(CommitMode::Async).flush.commits, BTreeMap::from([(0, 6)]));
+        stages.commit_again(BTreeMap::from([(0, 5)]));
+        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty());
+        // Nor for a partition no longer read.
+        stages.commit_again(BTreeMap::from([(7, 3)]));
+        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty());
+    }
 
     const NOW: u64 = 1_800_000_000;
 

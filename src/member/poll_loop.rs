@@ -183,11 +183,16 @@ impl<'a> Loop<'a> {
         Ok(())
     }
 
-    /// The flush ticker: cuts a flush, has an idle member ask the cache, resumes the
-    /// partitions rewound long enough, and gives the sweeper its holds.
+    /// The flush ticker: cuts a flush (with the commits the broker refused, sent again),
+    /// has an idle member ask the cache, resumes the partitions rewound long enough, and
+    /// gives the sweeper its holds.
     async fn tick(&mut self) -> Result<(), PipelineError> {
         if self.flusher.has_room() {
-            let job = self.stages.lock().await.cut(CommitMode::Async);
+            let refused = std::mem::take(&mut *self.consumer.context().refused_commits.lock().expect("not poisoned"));
+            let mut st = self.stages.lock().await;
+            st.commit_again(refused);
+            let job = st.cut(CommitMode::Async);
+            drop(st);
             self.flusher.send(job).await;
         }
         if self.in_flight.is_empty() && self.lost.is_none() {

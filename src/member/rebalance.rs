@@ -51,6 +51,8 @@ pub struct GroupContext {
     /// assigned unplanned (their records are dropped) and the loop starts every assigned
     /// partition over (`Loop::start_over`), which first moves to the renewed namespace.
     pub(super) lost_in_plan: std::sync::Mutex<Option<Lost>>,
+    /// Commits the broker refused, for the loop to send again (`commit_callback`).
+    pub(super) refused_commits: std::sync::Mutex<std::collections::BTreeMap<i32, i64>>,
 }
 
 impl GroupContext {
@@ -74,6 +76,7 @@ impl GroupContext {
             drain_timeout: s.pipeline.drain_timeout,
             paused: shared.paused.clone(),
             lost_in_plan: std::sync::Mutex::new(None),
+            refused_commits: Default::default(),
         }
     }
 
@@ -237,10 +240,18 @@ impl ConsumerContext for GroupContext {
         }
     }
 
-    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
+    /// A refused asynchronous commit (a rebalance under way) is handed to the loop, which
+    /// sends it again with its next cut (`Stages::commit_again`).
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
         if let Err(e) = result {
             metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
-            warn!(error = %e, "offset commit failed");
+            warn!(error = %e, "offset commit failed; it is sent again with the next flush");
+            let mut refused = self.refused_commits.lock().expect("not poisoned");
+            for el in offsets.elements().iter().filter(|el| el.topic() == self.topic) {
+                if let Offset::Offset(o) = el.offset() {
+                    refused.insert(el.partition(), o);
+                }
+            }
         }
     }
 }
