@@ -106,7 +106,7 @@ async fn the_redis_function_sweeps_as_the_rust_model_does() {
     let mut seen = Compared::default();
     for (seed, groups) in [(31, 1), (32, 1), (33, 3), (34, 3), (35, 1), (37, 3), (39, 1), (41, 3)] {
         let env = TestEnv::new("luasweep").await;
-        let compared = compare_all(cache_in_groups(&env, groups), seed).await;
+        let compared = compare_all(cache_in_groups(&env, groups), seed, Some(&env)).await;
         eprintln!("seed {seed}, {groups} key groups: {compared:?}");
         seen += compared;
     }
@@ -115,6 +115,7 @@ async fn the_redis_function_sweeps_as_the_rust_model_does() {
     assert!(seen.swept > 10_000, "sweeps removed items: {seen:?}");
     assert!(seen.kept_by_latest >= 20, "chains kept by their latest sighting, past their first: {seen:?}");
     assert!(seen.kept_unclocked >= 100, "items of partitions without a clock kept: {seen:?}");
+    assert!(seen.losses >= 16, "caches lost and moved to a new namespace: {seen:?}");
 }
 
 /// The claim task with several poll batches in flight when Redis goes away and comes

@@ -4,13 +4,16 @@
 //! warm-up, judged ahead of the clock (or of no clock yet) and confirmed, on partitions
 //! that start at different times, across restarts — must get the same verdicts, leave
 //! the same items and frontiers, and sweeps between them at generated cutoffs must keep
-//! the same items. `dedup_cache.rs` runs it against one Redis, the cluster suite against
-//! a Redis Cluster.
+//! the same items, and a cache lost between batches must answer lost and, in its new
+//! namespace, decide as an empty model does. `dedup_cache.rs` runs it against one Redis,
+//! the cluster suite against a Redis Cluster.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ops::Range;
 
-use clickagg::cache::SharedCache;
+use clickagg::cache::{DedupError, Recovery, SharedCache};
+
+use crate::helpers::TestEnv;
 use clickagg::dedup::{
     decide_shared, Chain, Claim, ClaimMode, Fingerprint, Frontier, Pin, Secs, Sighting, Start, Verdict,
 };
@@ -60,6 +63,8 @@ pub struct Compared {
     /// Items judged ahead of no clock (reach 0) a sweep kept because their partition has
     /// no clock at its frontier in the group.
     pub kept_unclocked: usize,
+    /// Caches lost and moved to a new namespace.
+    pub losses: usize,
 }
 
 impl std::ops::AddAssign for Compared {
@@ -69,6 +74,7 @@ impl std::ops::AddAssign for Compared {
         self.swept += o.swept;
         self.kept_by_latest += o.kept_by_latest;
         self.kept_unclocked += o.kept_unclocked;
+        self.losses += o.losses;
     }
 }
 
@@ -304,7 +310,7 @@ async fn compare_state(cache: &mut SharedCache, model: &Model, ids: &[Fingerprin
 /// Random batches of claims through `cache` and through the model, with sweeps between
 /// them; every verdict must agree. Returns how many claims were compared.
 pub async fn compare(cache: SharedCache, seed: u64) -> usize {
-    compare_all(cache, seed).await.claims
+    compare_all(cache, seed, None).await.claims
 }
 
 /// [`compare`], with what it covered. Odd seeds are *jumpy*: partitions start without a
@@ -312,7 +318,12 @@ pub async fn compare(cache: SharedCache, seed: u64) -> usize {
 /// judged ahead are often confirmed by a real jump of the partition's clock to them, so
 /// that their retries continue them in chains of their own (whose start is a duplicate).
 /// Even seeds keep the partitions' clocks close together, for copies across partitions.
-pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
+///
+/// With `losses`, the cache loses its namespace now and then (as a Redis restarted empty
+/// does): the next call must answer lost rather than decide, and after the move to a new namespace
+/// (`SharedCache::recover`) and a restart of every partition where it is, as a member
+/// makes them, both sides decide from an empty cache again.
+pub async fn compare_all(mut cache: SharedCache, seed: u64, losses: Option<&TestEnv>) -> Compared {
     let mut model = Model::new(cache.groups());
     let mut rng = StdRng::seed_from_u64(seed);
     let jumpy = seed % 2 == 1;
@@ -355,6 +366,22 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
             let at = next.get(&p).copied().unwrap_or(0);
             cache.restart(p, at, at + 5).await.unwrap();
             model.restart(p, at, at + 5);
+        }
+        // Where each partition's claims of this round start: where it restarts after a loss.
+        let round_from: BTreeMap<i32, i64> = live.iter().map(|&p| (p, next.get(&p).copied().unwrap_or(0))).collect();
+        let lose = losses.filter(|_| round % 23 == 17);
+        if let Some(env) = lose {
+            // Each key group's namespace key (`SharedCache::ns_key`), as a cache that lost
+            // its data has none: the entries left under the old name are never read again.
+            let groups = cache.groups();
+            let mut conn = env.redis().await;
+            for g in 0..groups {
+                let tag =
+                    if groups == 1 { format!("{}:{g}", env.topic) } else { format!("{}:{g}/{groups}", env.topic) };
+                let key = format!("{}{{{tag}}}:ns", env.redis_prefix);
+                let deleted: i64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
+                assert_eq!(deleted, 1, "seed {seed}, round {round}: the namespace key {key}");
+            }
         }
         let mut claims = Vec::new();
         for _ in 0..rng.random_range(1..200) {
@@ -426,6 +453,22 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64) -> Compared {
                 let ahead = rng.random_bool(0.05);
                 prev.insert(c.sighting.partition, if ahead { o + 1 } else { o });
             }
+        }
+        if lose.is_some() {
+            let calls = cache.claim_calls(&claims, &[], &prev).await.unwrap();
+            let replies = cache.sender().await.unwrap().send(calls.calls.clone()).await;
+            let lost = match cache.answer(&calls, &claims, replies) {
+                Err(DedupError::Lost(lost)) => lost,
+                other => panic!("seed {seed}, round {round}: a call into a deleted cache must answer lost: {other:?}"),
+            };
+            assert!(matches!(cache.recover(&lost).await.unwrap(), Recovery::Renewed(_)), "seed {seed}, round {round}");
+            model = Model::new(cache.groups());
+            for (&p, &at) in &round_from {
+                cache.restart(p, at, at).await.unwrap();
+                model.restart(p, at, at);
+            }
+            prev.clear();
+            seen.losses += 1;
         }
         let calls = cache.claim_calls(&claims, &[], &prev).await.unwrap();
         let replies = cache.sender().await.unwrap().send(calls.calls.clone()).await;
