@@ -388,7 +388,15 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
         metrics::gauge!(t::LAST_FLUSH, "partition" => p.to_string()).set(now);
     }
     c.health.status().flushed(commits.keys().copied(), &job.freshness, now);
+    // Commits sent before go again with this job's (`Stages::commit_again`), also for
+    // partitions still ours only; they are no flush of theirs.
+    let again: BTreeMap<i32, i64> = {
+        let owned = shared.owned.lock().expect("not poisoned");
+        job.again.iter().filter(|(p, _)| owned.contains(p)).map(|(&p, &o)| (p, o)).collect()
+    };
     let Some(committer) = &c.committer else { return };
+    let mut commits = commits;
+    commits.extend(again);
     if commits.is_empty() || shared.abandon.is_cancelled() {
         return;
     }

@@ -53,6 +53,9 @@ pub struct Job {
     pub buckets: usize,
     /// `Sync` for revokes and shutdown: the commit must be done when the drain ends.
     pub commit_mode: CommitMode,
+    /// Commits sent before, sent again with this job's ([`Stages::commit_again`]). They
+    /// flush nothing, so they do not count as flushes in the metrics and status.
+    pub again: BTreeMap<i32, i64>,
 }
 
 /// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock
@@ -250,6 +253,8 @@ struct Reader {
     /// Commits of this partition go out only past it (`Start::commit_floor`), which
     /// rises with every commit cut.
     commit_floor: i64,
+    /// The latest commit cut for this partition ([`Stages::latest_commits`]).
+    last_cut: Option<i64>,
 }
 
 impl Reader {
@@ -830,13 +835,18 @@ impl Stages {
         self.job(flush, commit_mode)
     }
 
-    /// Commits the broker refused (`GroupContext::commit_callback`; an asynchronous
-    /// commit sent while a rebalance is under way): each goes again with the next cut if
-    /// its partition is still read and no later commit was cut since. Without this, a
-    /// partition with nothing more to read would keep the group's offset behind what is
-    /// durable until the next record, however long that is.
-    pub fn commit_again(&mut self, refused: BTreeMap<i32, i64>) {
-        self.resend.extend(refused);
+    /// Commits to send again (the member's latest ones now and then, as an asynchronous
+    /// commit the broker refused during a rebalance is not reported back): each goes
+    /// with the next cut if its partition is still read and no later commit was cut
+    /// since. Without this, a partition with nothing more to read would keep the group's
+    /// offset behind what is durable until its next record, however long that is.
+    pub fn commit_again(&mut self, commits: BTreeMap<i32, i64>) {
+        self.resend.extend(commits);
+    }
+
+    /// The latest commit cut for each partition read (none before its first cut).
+    pub fn latest_commits(&self) -> BTreeMap<i32, i64> {
+        self.readers.iter().filter_map(|(&p, r)| r.last_cut.map(|o| (p, o))).collect()
     }
 
     fn job(&mut self, flush: Flush, commit_mode: CommitMode) -> Job {
@@ -848,6 +858,7 @@ impl Stages {
         all.commits.retain(|p, c| match self.readers.get_mut(p) {
             Some(reader) if *c > reader.commit_floor => {
                 reader.commit_floor = *c;
+                reader.last_cut = Some(*c);
                 true
             }
             Some(_) => false,
@@ -856,11 +867,10 @@ impl Stages {
         // A refused commit is still the reader's latest only if no later one was cut
         // (`commit_floor` is the last commit cut; a new reader starts it at the group's
         // committed offset).
-        for (p, offset) in std::mem::take(&mut self.resend) {
-            if self.readers.get(&p).is_some_and(|r| r.commit_floor == offset) {
-                all.commits.entry(p).or_insert(offset);
-            }
-        }
+        let mut again = std::mem::take(&mut self.resend);
+        again.retain(|p, offset| {
+            !all.commits.contains_key(p) && self.readers.get(p).is_some_and(|r| r.commit_floor == *offset)
+        });
         let buckets = all.rows.len();
         Job {
             flush: all,
@@ -869,6 +879,7 @@ impl Stages {
             freshness: std::mem::take(&mut self.freshness),
             buckets,
             commit_mode,
+            again,
         }
     }
 
@@ -895,6 +906,7 @@ impl Reader {
             pins,
             last: start.read_from - 1,
             commit_floor: start.commit_floor,
+            last_cut: None,
         }
     }
 }
@@ -950,28 +962,33 @@ mod tests {
 
     // Found in a CI rehearsal (`cache_trust`, a member frozen past its session): a
     // member's last commits were refused during a rebalance that left it its
-    // partitions; with nothing more to read it never committed again, and the group's
-    // offsets stayed 2 500 records behind what was durable for as long as it ran.
+    // partitions (librdkafka logged COMMITFAIL; the consumer reports nothing back); with
+    // nothing more to read it never committed again, and the group's offsets stayed
+    // 2 500 records behind what was durable for as long as it ran.
     #[test]
-    fn a_commit_the_broker_refused_goes_again_with_the_next_cut_unless_a_later_one_passed_it() {
+    fn the_latest_commits_go_again_with_the_next_cut_unless_a_later_one_passed_them() {
         let mut stages = reading();
+        assert!(stages.latest_commits().is_empty(), "nothing cut yet, nothing to send again");
         read(&mut stages, clicks(0, 0..5).into_iter().chain(clicks(1, 0..7)).collect());
         let job = stages.cut(CommitMode::Async);
         assert_eq!(job.flush.commits, BTreeMap::from([(0, 5), (1, 7)]));
         assert!(stages.cut(CommitMode::Async).flush.commits.is_empty(), "nothing new read: nothing to commit");
-        // Both refused; partition 1 then reads on, so its next commit covers the refused one.
-        stages.commit_again(BTreeMap::from([(0, 5), (1, 7)]));
+        assert_eq!(stages.latest_commits(), BTreeMap::from([(0, 5), (1, 7)]));
+        // Sent again; partition 1 reads on meanwhile, so its next commit passes the old one.
+        let latest = stages.latest_commits();
+        stages.commit_again(latest);
         read(&mut stages, clicks(1, 7..9));
-        assert_eq!(stages.cut(CommitMode::Async).flush.commits, BTreeMap::from([(0, 5), (1, 9)]));
-        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty(), "sent again once, not on every cut");
-        // A refusal reported after a later commit was cut is not sent again: that one covers it.
+        let job = stages.cut(CommitMode::Async);
+        assert_eq!((job.flush.commits, job.again), (BTreeMap::from([(1, 9)]), BTreeMap::from([(0, 5)])));
+        assert!(stages.cut(CommitMode::Async).again.is_empty(), "sent again once, not on every cut");
+        // An older commit handed back after a later one was cut is not sent: that one covers it.
         read(&mut stages, clicks(0, 5..6));
         assert_eq!(stages.cut(CommitMode::Async).flush.commits, BTreeMap::from([(0, 6)]));
         stages.commit_again(BTreeMap::from([(0, 5)]));
-        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty());
+        assert!(stages.cut(CommitMode::Async).again.is_empty());
         // Nor for a partition no longer read.
         stages.commit_again(BTreeMap::from([(7, 3)]));
-        assert!(stages.cut(CommitMode::Async).flush.commits.is_empty());
+        assert!(stages.cut(CommitMode::Async).again.is_empty());
     }
 
     const NOW: u64 = 1_800_000_000;

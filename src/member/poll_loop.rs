@@ -31,6 +31,9 @@ use crate::telemetry::{self as t, RateLimiter};
 
 /// How often the loop tells the sweeper which partitions lag (`Loop::give_holds`).
 pub(super) const HOLDS_EVERY: Duration = Duration::from_secs(5);
+/// How often each partition's latest commit is sent again (`Loop::tick`): one offset
+/// commit per member, as often as librdkafka's auto-commit would send one.
+const COMMIT_AGAIN_EVERY: Duration = Duration::from_secs(5);
 
 /// How long a partition rests after a rewind before it is read again (`Loop::rewind`).
 pub(super) const REWIND_PAUSE: Duration = Duration::from_millis(300);
@@ -58,6 +61,8 @@ pub(super) struct Loop<'a> {
     holds: BTreeMap<i32, Option<Secs>>,
     /// When the holds were last given (`Loop::give_holds`).
     last_holds: Instant,
+    /// When the partitions' latest commits were last sent again (`Loop::tick`).
+    last_commit_again: Instant,
     /// Cancelled once the holds of a first assignment were given: the sweeper's first
     /// walk waits for it (`sweeper::sweep_forever`).
     holds_given: CancellationToken,
@@ -98,6 +103,7 @@ impl<'a> Loop<'a> {
             lost: None,
             holds: BTreeMap::new(),
             last_holds: Instant::now(),
+            last_commit_again: Instant::now(),
             holds_given,
             rewound: BTreeMap::new(),
             max_backoff: s.pipeline.max_backoff,
@@ -183,14 +189,21 @@ impl<'a> Loop<'a> {
         Ok(())
     }
 
-    /// The flush ticker: cuts a flush (with the commits the broker refused, sent again),
-    /// has an idle member ask the cache, resumes the partitions rewound long enough, and
-    /// gives the sweeper its holds.
+    /// The flush ticker: cuts a flush (every `COMMIT_AGAIN_EVERY` with each partition's
+    /// latest commit sent again), has an idle member ask the cache, resumes the
+    /// partitions rewound long enough, and gives the sweeper its holds.
     async fn tick(&mut self) -> Result<(), PipelineError> {
         if self.flusher.has_room() {
-            let refused = std::mem::take(&mut *self.consumer.context().refused_commits.lock().expect("not poisoned"));
             let mut st = self.stages.lock().await;
-            st.commit_again(refused);
+            if self.last_commit_again.elapsed() >= COMMIT_AGAIN_EVERY {
+                // An asynchronous commit the broker refused (sent while a rebalance was
+                // under way) is not reported back; a partition with nothing more to read
+                // would keep the group's offset behind what is durable until its next
+                // record. Its latest commit goes again unless a later one is cut.
+                self.last_commit_again = Instant::now();
+                let latest = st.latest_commits();
+                st.commit_again(latest);
+            }
             let job = st.cut(CommitMode::Async);
             drop(st);
             self.flusher.send(job).await;

@@ -51,8 +51,6 @@ pub struct GroupContext {
     /// assigned unplanned (their records are dropped) and the loop starts every assigned
     /// partition over (`Loop::start_over`), which first moves to the renewed namespace.
     pub(super) lost_in_plan: std::sync::Mutex<Option<Lost>>,
-    /// Commits the broker refused, for the loop to send again (`commit_callback`).
-    pub(super) refused_commits: std::sync::Mutex<std::collections::BTreeMap<i32, i64>>,
 }
 
 impl GroupContext {
@@ -76,7 +74,6 @@ impl GroupContext {
             drain_timeout: s.pipeline.drain_timeout,
             paused: shared.paused.clone(),
             lost_in_plan: std::sync::Mutex::new(None),
-            refused_commits: Default::default(),
         }
     }
 
@@ -240,18 +237,13 @@ impl ConsumerContext for GroupContext {
         }
     }
 
-    /// A refused asynchronous commit (a rebalance under way) is handed to the loop, which
-    /// sends it again with its next cut (`Stages::commit_again`).
-    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+    /// Seldom called: the member's consumer does not serve commit results (librdkafka's
+    /// COMMITFAIL log says when an asynchronous commit was refused), so the loop sends
+    /// each partition's latest commit again now and then (`Stages::latest_commits`).
+    fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
         if let Err(e) = result {
             metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
-            warn!(error = %e, "offset commit failed; it is sent again with the next flush");
-            let mut refused = self.refused_commits.lock().expect("not poisoned");
-            for el in offsets.elements().iter().filter(|el| el.topic() == self.topic) {
-                if let Offset::Offset(o) = el.offset() {
-                    refused.insert(el.partition(), o);
-                }
-            }
+            warn!(error = %e, "offset commit failed");
         }
     }
 }
