@@ -911,14 +911,16 @@ impl Reader {
     }
 }
 
+/// Stages and records for unit tests here and in `replay`.
 #[cfg(test)]
-mod tests {
+pub(crate) mod test_support {
     use super::*;
     use crate::position::{BatchOffsets, Start};
 
     const T0: u32 = 1_800_000_000;
 
-    fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<Record> {
+    /// One new click of ad 1 in the same minute at every offset of `offsets`.
+    pub fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<Record> {
         offsets
             .map(|offset| Record {
                 partition,
@@ -934,8 +936,8 @@ mod tests {
             .collect()
     }
 
-    /// Stages reading partitions 0 and 1 privately from offset 0.
-    fn reading() -> Stages {
+    /// Stages reading partitions 0 and 1 privately from offset 0, in batches of 10.
+    pub fn reading() -> Stages {
         let cfg = StagesConfig {
             batch_offsets: BatchOffsets::new(10).unwrap(),
             window: Secs::new(86_400),
@@ -954,6 +956,12 @@ mod tests {
         stages.assign(vec![(start(0), RecordedPins::before(0)), (start(1), RecordedPins::before(0))]);
         stages
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::{clicks, reading};
+    use super::*;
 
     fn read(stages: &mut Stages, records: Vec<Record>) {
         let prepared = stages.prepare(records);

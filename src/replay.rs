@@ -663,48 +663,17 @@ mod tests {
         assert_eq!((s.whole.partitions, s.left_open), (BTreeMap::from([(0, (0, 2400))]), BTreeMap::new()));
     }
 
-    /// One new click of ad 1 in the same minute at every offset of `offsets`.
-    fn clicks(partition: i32, offsets: std::ops::Range<i64>) -> Vec<crate::record::Record> {
-        const T0: u32 = 1_795_996_800;
-        offsets
-            .map(|offset| crate::record::Record {
-                partition,
-                offset,
-                timestamp_ms: Some(i64::from(T0) * 1000),
-                outcome: Ok(crate::click::Click {
-                    click_id: crate::dedup::Fingerprint(((partition as u128) << 64) | offset as u128),
-                    ad_id: 1,
-                    ts_ms: i64::from(T0) * 1000,
-                    minute: crate::click::Minute::from_epoch_seconds(T0),
-                }),
-            })
-            .collect()
-    }
-
     // Regression (issue 35): a SIGTERM during `replay --supersede` ended the run with the
     // ordinary cut, which wrote the open batch read part-way; stored above the member's
     // complete rows (generation versions), it read short until a supersede completed.
     #[test]
     fn a_superseding_replay_cuts_whole_batches_only_also_at_its_last_cut() {
-        let cfg = StagesConfig {
-            batch_offsets: n(10),
-            window: crate::dedup::Secs::new(86_400),
-            max_record_lag: Duration::from_secs(3600),
-            dead_letters: false,
-        };
-        let mut stages = Stages::new(cfg, Default::default());
-        let start = |partition| Start {
-            partition,
-            read_from: 0,
-            count_from: 0,
-            clock: crate::dedup::PartitionClock::at(None),
-            scope: crate::position::Scope::Private { resume: None },
-            commit_floor: 0,
-        };
-        stages.assign(vec![(start(0), RecordedPins::before(0)), (start(1), RecordedPins::before(0))]);
+        // Batches of 10, partitions 0 and 1 read privately from offset 0.
+        let mut stages = crate::pipeline::test_support::reading();
         // Partition 0 superseding [0, 20), stopped after offset 14 (batch 10 read
         // part-way); partition 1 superseding [0, 10), read to its end (offsets 8 and 9
         // are transaction markers: nothing closes its batch but the end of the range).
+        let clicks = crate::pipeline::test_support::clicks;
         let mut records = clicks(0, 0..15);
         records.extend(clicks(1, 0..8));
         let prepared = stages.prepare(records);
