@@ -249,8 +249,11 @@ async fn a_day_closed_with_force_before_its_lateness_passed_is_adjusted_by_exact
         *added.entry(ad).or_default() += 1;
         *truth.counts.entry(BucketKey { ad_id: ad, minute: Minute::from_epoch_seconds(event) }).or_default() += 1;
     }
-    late.push(click("late-other-day", 3, day - 3600, now_ms));
-    *truth.counts.entry(BucketKey { ad_id: 3, minute: Minute::from_epoch_seconds(day - 3600) }).or_default() += 1;
+    // Its last second: an hour earlier was more than max_lateness (48 h) behind a click
+    // stamped after 23:00 UTC, rejected as too late (seen in a CI rehearsal at 23:52).
+    let other_day = day - 1;
+    late.push(click("late-other-day", 3, other_day, now_ms));
+    *truth.counts.entry(BucketKey { ad_id: 3, minute: Minute::from_epoch_seconds(other_day) }).or_default() += 1;
     env.send(&late, 4, None).await;
     env.assert_counts_settle(&truth.counts, CONVERGE).await;
 
