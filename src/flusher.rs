@@ -380,23 +380,20 @@ async fn commit(c: &mut FlusherConfig, job: &Job, shared: &Shared) {
     for (&tenth, &n) in &job.freshness {
         metrics::histogram!(t::FRESHNESS).record_many(t::age_seconds(now, tenth), n as usize);
     }
-    let commits: BTreeMap<i32, i64> = {
+    // The partitions still ours only; commits sent before go again with this job's
+    // (`Stages::commit_latest_again`), but they are no flush of theirs.
+    let (flushed, again): (BTreeMap<i32, i64>, BTreeMap<i32, i64>) = {
         let owned = shared.owned.lock().expect("not poisoned");
-        job.flush.commits.iter().filter(|(p, _)| owned.contains(p)).map(|(&p, &o)| (p, o)).collect()
+        let ours =
+            |m: &BTreeMap<i32, i64>| m.iter().filter(|(p, _)| owned.contains(p)).map(|(&p, &o)| (p, o)).collect();
+        (ours(&job.flush.commits), ours(&job.again))
     };
-    for p in commits.keys() {
+    for p in flushed.keys() {
         metrics::gauge!(t::LAST_FLUSH, "partition" => p.to_string()).set(now);
     }
-    c.health.status().flushed(commits.keys().copied(), &job.freshness, now);
-    // Commits sent before go again with this job's (`Stages::commit_again`), also for
-    // partitions still ours only; they are no flush of theirs.
-    let again: BTreeMap<i32, i64> = {
-        let owned = shared.owned.lock().expect("not poisoned");
-        job.again.iter().filter(|(p, _)| owned.contains(p)).map(|(&p, &o)| (p, o)).collect()
-    };
+    c.health.status().flushed(flushed.keys().copied(), &job.freshness, now);
     let Some(committer) = &c.committer else { return };
-    let mut commits = commits;
-    commits.extend(again);
+    let commits: BTreeMap<i32, i64> = flushed.into_iter().chain(again).collect();
     if commits.is_empty() || shared.abandon.is_cancelled() {
         return;
     }

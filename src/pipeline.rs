@@ -53,8 +53,8 @@ pub struct Job {
     pub buckets: usize,
     /// `Sync` for revokes and shutdown: the commit must be done when the drain ends.
     pub commit_mode: CommitMode,
-    /// Commits sent before, sent again with this job's ([`Stages::commit_again`]). They
-    /// flush nothing, so they do not count as flushes in the metrics and status.
+    /// Commits sent before, sent again with this job's ([`Stages::commit_latest_again`]).
+    /// They flush nothing, so they do not count as flushes in the metrics and status.
     pub again: BTreeMap<i32, i64>,
 }
 
@@ -205,8 +205,8 @@ pub struct Stages {
     freshness: t::ClicksByTenth,
     /// Cuts of partitions that fell back to private state, written with the next flush.
     carried: Flush,
-    /// Commits to send again with the next cut ([`Stages::commit_again`]).
-    resend: BTreeMap<i32, i64>,
+    /// The next cut sends each partition's latest commit again ([`Stages::commit_latest_again`]).
+    repeat_commits: bool,
     /// Partition clocks at the batch boundaries crossed since the last cut: written
     /// with the next flush, before its commits (`clickagg_clocks`).
     clocks: Vec<Checkpoint>,
@@ -253,7 +253,7 @@ struct Reader {
     /// Commits of this partition go out only past it (`Start::commit_floor`), which
     /// rises with every commit cut.
     commit_floor: i64,
-    /// The latest commit cut for this partition ([`Stages::latest_commits`]).
+    /// The latest commit cut for this partition ([`Stages::commit_latest_again`]).
     last_cut: Option<i64>,
 }
 
@@ -409,7 +409,7 @@ impl Stages {
             rejected: Vec::new(),
             freshness: BTreeMap::new(),
             carried: Flush::default(),
-            resend: BTreeMap::new(),
+            repeat_commits: false,
             clocks: Vec::new(),
             totals: BatchStats::default(),
             status,
@@ -835,18 +835,12 @@ impl Stages {
         self.job(flush, commit_mode)
     }
 
-    /// Commits to send again (the member's latest ones now and then, as an asynchronous
-    /// commit the broker refused during a rebalance is not reported back): each goes
-    /// with the next cut if its partition is still read and no later commit was cut
-    /// since. Without this, a partition with nothing more to read would keep the group's
+    /// Has the next cut send each partition's latest commit again, unless it cuts a later
+    /// one: an asynchronous commit the broker refused during a rebalance is not reported
+    /// back, and a partition with nothing more to read would otherwise keep the group's
     /// offset behind what is durable until its next record, however long that is.
-    pub fn commit_again(&mut self, commits: BTreeMap<i32, i64>) {
-        self.resend.extend(commits);
-    }
-
-    /// The latest commit cut for each partition read (none before its first cut).
-    pub fn latest_commits(&self) -> BTreeMap<i32, i64> {
-        self.readers.iter().filter_map(|(&p, r)| r.last_cut.map(|o| (p, o))).collect()
+    pub fn commit_latest_again(&mut self) {
+        self.repeat_commits = true;
     }
 
     fn job(&mut self, flush: Flush, commit_mode: CommitMode) -> Job {
@@ -864,13 +858,15 @@ impl Stages {
             Some(_) => false,
             None => true,
         });
-        // A refused commit is still the reader's latest only if no later one was cut
-        // (`commit_floor` is the last commit cut; a new reader starts it at the group's
-        // committed offset).
-        let mut again = std::mem::take(&mut self.resend);
-        again.retain(|p, offset| {
-            !all.commits.contains_key(p) && self.readers.get(p).is_some_and(|r| r.commit_floor == *offset)
-        });
+        let again = match std::mem::take(&mut self.repeat_commits) {
+            true => self
+                .readers
+                .iter()
+                .filter(|(p, _)| !all.commits.contains_key(p))
+                .filter_map(|(&p, r)| r.last_cut.map(|o| (p, o)))
+                .collect(),
+            false => BTreeMap::new(),
+        };
         let buckets = all.rows.len();
         Job {
             flush: all,
@@ -976,27 +972,22 @@ mod tests {
     #[test]
     fn the_latest_commits_go_again_with_the_next_cut_unless_a_later_one_passed_them() {
         let mut stages = reading();
-        assert!(stages.latest_commits().is_empty(), "nothing cut yet, nothing to send again");
+        stages.commit_latest_again();
+        assert!(stages.cut(CommitMode::Async).again.is_empty(), "nothing cut yet, nothing to send again");
         read(&mut stages, clicks(0, 0..5).into_iter().chain(clicks(1, 0..7)).collect());
         let job = stages.cut(CommitMode::Async);
         assert_eq!(job.flush.commits, BTreeMap::from([(0, 5), (1, 7)]));
         assert!(stages.cut(CommitMode::Async).flush.commits.is_empty(), "nothing new read: nothing to commit");
-        assert_eq!(stages.latest_commits(), BTreeMap::from([(0, 5), (1, 7)]));
         // Sent again; partition 1 reads on meanwhile, so its next commit passes the old one.
-        let latest = stages.latest_commits();
-        stages.commit_again(latest);
+        stages.commit_latest_again();
         read(&mut stages, clicks(1, 7..9));
         let job = stages.cut(CommitMode::Async);
         assert_eq!((job.flush.commits, job.again), (BTreeMap::from([(1, 9)]), BTreeMap::from([(0, 5)])));
         assert!(stages.cut(CommitMode::Async).again.is_empty(), "sent again once, not on every cut");
-        // An older commit handed back after a later one was cut is not sent: that one covers it.
         read(&mut stages, clicks(0, 5..6));
         assert_eq!(stages.cut(CommitMode::Async).flush.commits, BTreeMap::from([(0, 6)]));
-        stages.commit_again(BTreeMap::from([(0, 5)]));
-        assert!(stages.cut(CommitMode::Async).again.is_empty());
-        // Nor for a partition no longer read.
-        stages.commit_again(BTreeMap::from([(7, 3)]));
-        assert!(stages.cut(CommitMode::Async).again.is_empty());
+        stages.commit_latest_again();
+        assert_eq!(stages.cut(CommitMode::Async).again, BTreeMap::from([(0, 6), (1, 9)]), "each partition's latest");
     }
 
     const NOW: u64 = 1_800_000_000;

@@ -196,13 +196,8 @@ impl<'a> Loop<'a> {
         if self.flusher.has_room() {
             let mut st = self.stages.lock().await;
             if self.last_commit_again.elapsed() >= COMMIT_AGAIN_EVERY {
-                // An asynchronous commit the broker refused (sent while a rebalance was
-                // under way) is not reported back; a partition with nothing more to read
-                // would keep the group's offset behind what is durable until its next
-                // record. Its latest commit goes again unless a later one is cut.
                 self.last_commit_again = Instant::now();
-                let latest = st.latest_commits();
-                st.commit_again(latest);
+                st.commit_latest_again();
             }
             let job = st.cut(CommitMode::Async);
             drop(st);

@@ -239,7 +239,7 @@ impl ConsumerContext for GroupContext {
 
     /// Seldom called: the member's consumer does not serve commit results (librdkafka's
     /// COMMITFAIL log says when an asynchronous commit was refused), so the loop sends
-    /// each partition's latest commit again now and then (`Stages::latest_commits`).
+    /// each partition's latest commit again now and then (`Stages::commit_latest_again`).
     fn commit_callback(&self, result: KafkaResult<()>, _offsets: &TopicPartitionList) {
         if let Err(e) = result {
             metrics::counter!(t::KAFKA_ERRORS, "op" => "commit").increment(1);
