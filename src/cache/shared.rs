@@ -206,8 +206,9 @@ impl SharedCache {
         }
     }
 
-    /// The key holding group `group`'s namespace.
-    pub(super) fn ns_key(&self, group: u32) -> String {
+    /// The key holding group `group`'s namespace (the differential test deletes it, as a
+    /// cache that lost its data has none).
+    pub fn ns_key(&self, group: u32) -> String {
         format!("{}ns", self.group_prefix(group))
     }
 

@@ -371,14 +371,11 @@ pub async fn compare_all(mut cache: SharedCache, seed: u64, losses: Option<&Test
         let round_from: BTreeMap<i32, i64> = live.iter().map(|&p| (p, next.get(&p).copied().unwrap_or(0))).collect();
         let lose = losses.filter(|_| round % 23 == 17);
         if let Some(env) = lose {
-            // Each key group's namespace key (`SharedCache::ns_key`), as a cache that lost
-            // its data has none: the entries left under the old name are never read again.
-            let groups = cache.groups();
+            // Each key group's namespace key, as a cache that lost its data has none: the
+            // entries left under the old name are never read again.
             let mut conn = env.redis().await;
-            for g in 0..groups {
-                let tag =
-                    if groups == 1 { format!("{}:{g}", env.topic) } else { format!("{}:{g}/{groups}", env.topic) };
-                let key = format!("{}{{{tag}}}:ns", env.redis_prefix);
+            for g in 0..cache.groups() {
+                let key = cache.ns_key(g);
                 let deleted: i64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.unwrap();
                 assert_eq!(deleted, 1, "seed {seed}, round {round}: the namespace key {key}");
             }
