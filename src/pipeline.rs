@@ -58,6 +58,11 @@ pub struct Job {
     pub again: BTreeMap<i32, i64>,
 }
 
+/// The wall clock in whole epoch seconds, as [`hold`] and the record-lag gauge take it.
+pub fn wall_secs() -> u64 {
+    chrono::Utc::now().timestamp().max(0) as u64
+}
+
 /// A reader's hold at record time `clock`: `Some(clock)` while it lags the wall clock
 /// (`now`, epoch seconds) by more than half of `dedup.max_record_lag` with records still
 /// to read (`behind`): the sweeper keeps what it still needs. The property model's
@@ -573,7 +578,7 @@ impl Stages {
 
     /// Records how far each partition's first counted record lags the wall clock.
     fn record_lag(&self, items: &[Item]) {
-        let now = chrono::Utc::now().timestamp().max(0) as u64;
+        let now = wall_secs();
         let mut seen = BTreeSet::new();
         for i in items.iter().filter(|i| !i.warm) {
             let p = i.record.partition;
@@ -598,7 +603,7 @@ impl Stages {
     /// another member's sweeper deleted the old sightings those claims then missed
     /// (copies on other partitions counted twice).
     pub fn holds(&self, behind: impl Fn(i32, i64) -> bool) -> BTreeMap<i32, Option<Secs>> {
-        let now = chrono::Utc::now().timestamp().max(0) as u64;
+        let now = wall_secs();
         self.readers
             .iter()
             .map(|(&p, r)| (p, hold(r.decided_clock, behind(p, r.decided), self.max_record_lag, now)))

@@ -23,7 +23,7 @@ use tracing::{info, warn};
 use crate::cache::{DedupError, SharedCache};
 use crate::config::Settings;
 use crate::dedup::{PartitionClock, Pin, Secs};
-use crate::pipeline::{hold, Distrust, RecordedPins, Stages};
+use crate::pipeline::{hold, wall_secs, Distrust, RecordedPins, Stages};
 use crate::position::BatchOffsets;
 use crate::position::{self, Boundary, Marks, Scope, Start};
 use crate::record::Record;
@@ -210,8 +210,7 @@ impl Planner {
             }
             // The sweeper must keep what this reader needs before it reads anything, if it
             // starts far behind the wall clock with records to read (`Stages::holds`).
-            let now = chrono::Utc::now().timestamp().max(0) as u64;
-            holds.insert(p, hold(start.clock.now(), start.read_from < at[&p].high, self.max_record_lag, now));
+            holds.insert(p, hold(start.clock.now(), start.read_from < at[&p].high, self.max_record_lag, wall_secs()));
             // Every recorded decision from the first offset read on: a re-read applies it,
             // warm-up included, with the effect it had on the cache (the frontier may be lost).
             let pins = self.pins_from(p, start.read_from).await?;
